@@ -1,0 +1,164 @@
+from ddiloco.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_WAITING: _ClassVar[RunState]
+    RUN_STATE_RUNNING: _ClassVar[RunState]
+    RUN_STATE_DRAINING: _ClassVar[RunState]
+    RUN_STATE_FINISHED: _ClassVar[RunState]
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_WAITING: RunState
+RUN_STATE_RUNNING: RunState
+RUN_STATE_DRAINING: RunState
+RUN_STATE_FINISHED: RunState
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("run_id", "address", "datacenter", "requested_learner_id", "device")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATACENTER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    address: str
+    datacenter: str
+    requested_learner_id: int
+    device: str
+    def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., requested_learner_id: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learner_id: int
+    shard_index: int
+    num_shards: int
+    config_json: str
+    outer_address: str
+    lease_ms: int
+    heartbeat_ms: int
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("run_id", "learner_id", "stats")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learner_id: int
+    stats: _common_pb2.LearnerStats
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("state", "outer_address", "lease_ms")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    state: RunState
+    outer_address: str
+    lease_ms: int
+    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("run_id", "learner_id", "stats", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learner_id: int
+    stats: _common_pb2.LearnerStats
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetRunConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunConfigResponse(_message.Message):
+    __slots__ = ("run_id", "config_json", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    state: RunState
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ...) -> None: ...
+
+class GetMembershipRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("learner_id", "address", "datacenter", "alive", "left", "ms_since_heartbeat", "shard_index", "incarnation", "stats")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATACENTER_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    MS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    address: str
+    datacenter: str
+    alive: bool
+    left: bool
+    ms_since_heartbeat: int
+    shard_index: int
+    incarnation: int
+    stats: _common_pb2.LearnerStats
+    def __init__(self, learner_id: _Optional[int] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ms_since_heartbeat: _Optional[int] = ..., shard_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
+
+class Membership(_message.Message):
+    __slots__ = ("run_id", "state", "outer_address", "members", "elapsed_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: RunState
+    outer_address: str
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    elapsed_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+
+class RegisterServiceRequest(_message.Message):
+    __slots__ = ("run_id", "kind", "address")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    kind: str
+    address: str
+    def __init__(self, run_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RegisterServiceResponse(_message.Message):
+    __slots__ = ("run_id", "state")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: RunState
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ...) -> None: ...

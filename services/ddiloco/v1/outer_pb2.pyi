@@ -1,0 +1,148 @@
+from ddiloco.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_OUTCOME_UNSPECIFIED: _ClassVar[PushOutcome]
+    PUSH_OUTCOME_ACCEPTED: _ClassVar[PushOutcome]
+PUSH_OUTCOME_UNSPECIFIED: PushOutcome
+PUSH_OUTCOME_ACCEPTED: PushOutcome
+
+class DeltaHeader(_message.Message):
+    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learner_id: int
+    base_version: int
+    tokens: int
+    inner_steps: int
+    seq: int
+    payload: _common_pb2.PayloadInfo
+    loss: float
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class DeltaChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: DeltaHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushDeltaResponse(_message.Message):
+    __slots__ = ("outcome", "global_version", "weight")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    outcome: PushOutcome
+    global_version: int
+    weight: float
+    def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., global_version: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class PullGlobalRequest(_message.Message):
+    __slots__ = ("run_id", "learner_id", "have_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    learner_id: int
+    have_version: int
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., have_version: _Optional[int] = ...) -> None: ...
+
+class GlobalHeader(_message.Message):
+    __slots__ = ("version", "payload", "tokens_merged")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    payload: _common_pb2.PayloadInfo
+    tokens_merged: int
+    def __init__(self, version: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., tokens_merged: _Optional[int] = ...) -> None: ...
+
+class GlobalChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: GlobalHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[GlobalHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LearnerMergeStats(_message.Message):
+    __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    learner_id: int
+    deltas_accepted: int
+    deltas_merged: int
+    deltas_refused: int
+    tokens_merged: int
+    last_seq: int
+    def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class OuterStatus(_message.Message):
+    __slots__ = ("run_id", "ready", "version", "outer_steps", "tokens_merged", "pending_deltas", "learners", "initial_eval_loss", "last_eval_loss", "last_eval_accuracy", "last_eval_version", "bytes_received", "bytes_sent", "model_parameters")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVAL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    ready: bool
+    version: int
+    outer_steps: int
+    tokens_merged: int
+    pending_deltas: int
+    learners: _containers.RepeatedCompositeFieldContainer[LearnerMergeStats]
+    initial_eval_loss: float
+    last_eval_loss: float
+    last_eval_accuracy: float
+    last_eval_version: int
+    bytes_received: int
+    bytes_sent: int
+    model_parameters: int
+    def __init__(self, run_id: _Optional[str] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., outer_steps: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pending_deltas: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerMergeStats, _Mapping]]] = ..., initial_eval_loss: _Optional[float] = ..., last_eval_loss: _Optional[float] = ..., last_eval_accuracy: _Optional[float] = ..., last_eval_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., model_parameters: _Optional[int] = ...) -> None: ...
+
+class FinalizeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinalizeResponse(_message.Message):
+    __slots__ = ("status", "final_eval_loss", "final_eval_accuracy")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_EVAL_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    status: OuterStatus
+    final_eval_loss: float
+    final_eval_accuracy: float
+    def __init__(self, status: _Optional[_Union[OuterStatus, _Mapping]] = ..., final_eval_loss: _Optional[float] = ..., final_eval_accuracy: _Optional[float] = ...) -> None: ...
