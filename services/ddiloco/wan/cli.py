@@ -1,0 +1,115 @@
+"""``ddiloco wan``: apply or show a WAN bandwidth profile on a network device with tc.
+
+    ddiloco wan apply --profile wan --datacenter 1 --dev eth0
+    ddiloco wan apply --profile wan-mixed --datacenter 2 --dev auto --towards outer:50052
+    ddiloco wan show --dev eth0 [--json]
+    ddiloco wan profiles [--json]
+
+Like every ddiloco flag, these also come from the environment: DDILOCO_WAN_PROFILE,
+DDILOCO_DATACENTER (shared with ``ddiloco learner``), DDILOCO_WAN_DEV, DDILOCO_WAN_TOWARDS,
+DDILOCO_WAN_QDISC. The Docker learner entrypoint relies on that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ddiloco.common.cliargs import apply_env_defaults
+from ddiloco.wan import profiles as P
+from ddiloco.wan import tc
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="{apply,show,clear,profiles}")
+    sub.required = True
+
+    ap = sub.add_parser("apply", help="shape a device to a datacenter's rate under a profile")
+    ap.add_argument("--profile", dest="wan_profile", required=False, default=None,
+                    help=f"one of: {', '.join(P.profile_names())}")
+    ap.add_argument("--datacenter", type=int, default=0, help="datacenter index (picks the rate in mixed profiles)")
+    _dev_arguments(ap)
+    ap.add_argument("--qdisc", dest="wan_qdisc", choices=tc.QDISCS, default="tbf", help="shaping qdisc")
+    ap.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
+    apply_env_defaults(ap)
+
+    sp = sub.add_parser("show", help="read back the egress limit on a device")
+    _dev_arguments(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    apply_env_defaults(sp)
+
+    cp = sub.add_parser("clear", help="remove any shaping from a device")
+    _dev_arguments(cp)
+    apply_env_defaults(cp)
+
+    pp = sub.add_parser("profiles", help="list the defined profiles")
+    pp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _dev_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dev", dest="wan_dev", default="eth0",
+                   help="network device, or 'auto': the one that routes to --towards (default route without it)")
+    p.add_argument("--towards", dest="wan_towards", default="",
+                   help="HOST[:PORT] whose route picks the device when --dev auto")
+
+
+def _device(args: argparse.Namespace) -> str:
+    if args.wan_dev == "auto":
+        return tc.device_towards(args.wan_towards or None)
+    return args.wan_dev
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _ACTIONS[args.action](args)
+    except (tc.TcError, P.ProfileError) as exc:
+        print(f"ddiloco wan {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _apply(args: argparse.Namespace) -> int:
+    if not args.wan_profile:
+        raise P.ProfileError(f"--profile (or DDILOCO_WAN_PROFILE) is required; one of: {', '.join(P.profile_names())}")
+    profile = P.get_profile(args.wan_profile)
+    rate = profile.rate_for(args.datacenter)
+    dev = _device(args)
+    what = f"profile {profile.name}, datacenter {args.datacenter}: {dev} egress {P.format_rate(rate)}"
+    if args.dry_run:
+        print(f"would shape {what} ({args.wan_qdisc})")
+        return 0
+    if rate is not None:
+        tc.require_net_admin()
+    got = tc.shape(dev, rate, qdisc=args.wan_qdisc)
+    print(f"shaped {what}; kernel reports root qdisc {got.kind}, {P.format_rate(got.rate_bits)}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    got = tc.read(_device(args))
+    if args.json:
+        print(json.dumps({"dev": got.dev, "qdisc": got.kind, "rate_bits": got.rate_bits}))
+    else:
+        print(f"{got.dev}: root qdisc {got.kind}, egress {P.format_rate(got.rate_bits)}")
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    dev = _device(args)
+    tc.clear(dev)
+    print(f"{dev}: shaping removed")
+    return 0
+
+
+def _profiles(args: argparse.Namespace) -> int:
+    profiles = P.load_profiles()
+    if args.json:
+        print(json.dumps({n: {"description": p.description, "rates_bits": list(p.rates)} for n, p in profiles.items()}))
+        return 0
+    for name, p in profiles.items():
+        rates = ", ".join(P.format_rate(r) for r in p.rates)
+        print(f"{name:10s} {rates:40s} {p.description}")
+    return 0
+
+
+_ACTIONS = {"apply": _apply, "show": _show, "clear": _clear, "profiles": _profiles}
