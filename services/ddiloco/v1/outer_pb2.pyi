@@ -86,20 +86,22 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LearnerMergeStats(_message.Message):
-    __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq")
+    __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq", "tokens_accepted")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     DELTAS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTAS_MERGED_FIELD_NUMBER: _ClassVar[int]
     DELTAS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     deltas_accepted: int
     deltas_merged: int
     deltas_refused: int
     tokens_merged: int
     last_seq: int
-    def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    tokens_accepted: int
+    def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ..., tokens_accepted: _Optional[int] = ...) -> None: ...
 
 class OuterStatus(_message.Message):
     __slots__ = ("run_id", "ready", "version", "outer_steps", "tokens_merged", "pending_deltas", "learners", "initial_eval_loss", "last_eval_loss", "last_eval_accuracy", "last_eval_version", "bytes_received", "bytes_sent", "model_parameters")

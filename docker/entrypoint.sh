@@ -1,0 +1,59 @@
+#!/bin/sh
+# Entrypoint of the ddiloco image: `docker run IMAGE <ddiloco command> [flags]`.
+# Flags may also come from DDILOCO_* variables (see `ddiloco <command> --help`).
+#
+# For a learner started as root with NET_ADMIN it first shapes the datacenter link:
+#   DDILOCO_WAN_PROFILE  lan | wan | wan-slow | wan-mixed (ddiloco/wan/profiles.json)
+#   DDILOCO_DATACENTER   this learner's datacenter index (picks the rate, and the shard)
+#   DDILOCO_WAN_DEV      device to shape (default: the one routing to the coordinator)
+# and then drops to the unprivileged ddiloco user. Shaping that fails stops the container:
+# a run that was meant to be shaped must not silently train on an unshaped link.
+#
+# Swarm has no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until each answers
+# the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) gives a
+# replicated learner its datacenter index.
+set -eu
+
+log() { echo "[entrypoint] $*" >&2; }
+
+case "${1:-}" in
+    "" | -h | --help) exec ddiloco --help ;;
+    coordinator | outer | learner | health | run | wan | simulate | chaos | netns) role=$1 ;;
+    *) exec "$@" ;; # a plain command: a shell, or `cat` of a report
+esac
+
+if [ -n "${DDILOCO_TASK_SLOT:-}" ] && [ -z "${DDILOCO_DATACENTER:-}" ]; then
+    DDILOCO_DATACENTER=$((DDILOCO_TASK_SLOT - 1))
+    export DDILOCO_DATACENTER
+fi
+
+if [ "$role" = learner ] && [ -z "${DDILOCO_ADVERTISE:-}" ]; then
+    # Replicas of one service share its DNS name; each must advertise its own address.
+    DDILOCO_ADVERTISE="$(hostname -i | awk '{print $1}'):${DDILOCO_BIND##*:}"
+    export DDILOCO_ADVERTISE
+fi
+
+wait_deadline=$(($(date +%s) + ${DDILOCO_WAIT_TIMEOUT:-300}))
+for target in ${DDILOCO_WAIT_FOR:-}; do
+    until ddiloco health "$target" --timeout 2 > /dev/null 2>&1; do
+        if [ "$(date +%s)" -ge "$wait_deadline" ]; then
+            log "gave up waiting for $target to become healthy"
+            exit 1
+        fi
+        sleep 2
+    done
+    log "$target is healthy"
+done
+
+if [ "$role" = learner ] && [ -n "${DDILOCO_WAN_PROFILE:-}" ]; then
+    export DDILOCO_WAN_DEV="${DDILOCO_WAN_DEV:-auto}"
+    export DDILOCO_WAN_TOWARDS="${DDILOCO_WAN_TOWARDS:-${DDILOCO_COORDINATOR:-}}"
+    ddiloco wan apply
+fi
+
+if [ "$(id -u)" = 0 ] && [ "${DDILOCO_KEEP_ROOT:-0}" != 1 ] && id ddiloco > /dev/null 2>&1; then
+    # Nothing after shaping needs privileges: drop the user and every capability.
+    exec setpriv --reuid=ddiloco --regid=ddiloco --init-groups --inh-caps=-all --bounding-set=-all \
+        -- env HOME=/home/ddiloco ddiloco "$@"
+fi
+exec ddiloco "$@"

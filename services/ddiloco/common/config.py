@@ -1,0 +1,131 @@
+"""Typed run configuration.
+
+One ``RunConfig`` describes a run. The coordinator owns it (built from its CLI flags) and
+hands it, as JSON, to every learner and to the outer optimizer, so every process trains the
+same model on the same data split with the same hyper-parameters. Nothing deeper in the
+code reads flags or environment variables: objects are passed down explicitly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """A small GPT-style byte-level language model (vocabulary of 256 bytes)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 192
+    context: int = 128
+    dropout: float = 0.0
+
+
+# Named presets so that a run is one flag away from a sensible size.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(n_layer=2, n_head=2, d_model=64, context=64),  # tests: ~0.1M params
+    "small": ModelConfig(n_layer=4, n_head=4, d_model=192, context=128),  # default: ~1.8M params
+    "medium": ModelConfig(n_layer=4, n_head=4, d_model=256, context=256),  # ~3.3M params
+}
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it is split.
+
+    ``path`` None means the built-in corpus: the CPython standard library's documentation
+    (``pydoc_data``) and source files, which ship with every Python and need no download.
+    """
+
+    path: str | None = None
+    max_bytes: int = 4_000_000
+    eval_every_nth_doc: int = 20  # every 20th document goes to the held-out eval set
+    eval_windows: int = 48
+    seed: int = 1234
+
+
+@dataclass
+class LearnerConfig:
+    """Inner loop and upload settings, shared by every learner of a run."""
+
+    batch_size: int = 8
+    inner_steps: int = 20  # H: local steps between two pseudo-gradient uploads
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    codec: str = "int8"  # fp32 | int8 | int4
+    block_size: int = 64
+    error_feedback: bool = True
+    chunk_bytes: int = 1 << 20
+    # Synchronous DiLoCo: wait for the merged global parameters after each upload and
+    # restart from them exactly. Off for Decoupled DiLoCo.
+    sync: bool = False
+    pull_poll_s: float = 0.5
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimizer: SGD with Nesterov momentum on merged pseudo-gradients."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    quorum: int = 1  # K: merge as soon as this many deltas are pending
+    # A delta is discounted once more than one round of other work was merged after its base
+    # version, and refused beyond this many rounds (see ddiloco.common.merge).
+    max_staleness_rounds: float = 4.0
+    checkpoint_every: int = 10  # merges between checkpoints
+    eval_interval_s: float = 5.0
+    max_delta_bytes: int = 256 << 20
+
+
+@dataclass
+class RunConfig:
+    run_id: str = "run"
+    learners: int = 4  # M: the number of learners (and data shards) the run is planned for
+    max_seconds: float = 180.0  # training budget, from the moment the first learner joins
+    max_tokens: int = 0  # 0: no token budget
+    seed: int = 0
+    heartbeat_interval_s: float = 1.0
+    lease_timeout_s: float = 10.0
+    drain_timeout_s: float = 60.0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+    def round_tokens(self) -> int:
+        """Tokens of learner work in one synchronous DiLoCo round: M learners x H steps."""
+        per_step = self.learner.batch_size * self.model.context
+        return self.learners * self.learner.inner_steps * per_step
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        return from_dict(cls, json.loads(text))
+
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], data: dict) -> T:
+    """Build a (nested) dataclass from a dict, refusing unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = from_dict(hint, value)
+        kwargs[key] = value
+    return cls(**kwargs)  # type: ignore[call-arg]

@@ -1,0 +1,44 @@
+"""Append-only JSON-lines event log shared by every process of a run.
+
+Each event is one ``write()`` of one line to a file opened with O_APPEND, so processes can
+share ``metrics.jsonl`` without interleaving lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import threading
+import time
+
+
+class MetricsLog:
+    def __init__(self, path: pathlib.Path | None, source: str) -> None:
+        self.source = source
+        self._fd = None
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def event(self, kind: str, **fields) -> None:
+        if self._fd is None:
+            return
+        record = {"t": round(time.time(), 3), "source": self.source, "event": kind, **fields}
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        with self._lock:
+            os.write(self._fd, line)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(path: pathlib.Path) -> list[dict]:
+    out = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        if line.strip():
+            out.append(json.loads(line))
+    return out

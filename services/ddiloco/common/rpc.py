@@ -1,0 +1,145 @@
+"""gRPC plumbing shared by every service: servers with health, reflection, keepalive and
+graceful shutdown; client channels; retry with backoff; chunked payload streams."""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterable, Iterator, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 8 << 20  # chunks are 1 MiB by default; this only bounds a misbehaving peer
+
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = KEEPALIVE_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+CLIENT_OPTIONS = KEEPALIVE_OPTIONS + [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),  # retries are explicit, see call_with_retry
+]
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Server:
+    """A gRPC server with grpc.health.v1 and reflection.
+
+    Health answers NOT_SERVING until ``set_ready()``, and again once shutdown starts, so an
+    orchestrator never routes to a process that cannot serve yet or any more.
+    """
+
+    def __init__(self, bind: str, service_names: Iterable[str], max_workers: int = 16) -> None:
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC server to {bind}")
+        self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.stopped = threading.Event()
+
+    @property
+    def grpc_server(self) -> grpc.Server:
+        return self._server
+
+    def _set_all(self, status: int) -> None:
+        self._health.set("", status)
+        for name in self.service_names:
+            self._health.set(name, status)
+
+    def start(self) -> None:
+        self._server.start()
+
+    def set_ready(self) -> None:
+        self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.stopped.is_set():
+            return
+        self._health.enter_graceful_shutdown()  # every service now answers NOT_SERVING
+        self._server.stop(grace).wait()
+        self.stopped.set()
+
+    def stop_on_signals(self, on_stop: Callable[[], None] | None = None) -> None:
+        """SIGTERM/SIGINT: report NOT_SERVING, finish in-flight calls, then exit."""
+
+        def handler(signum, _frame):
+            log.info("signal %s: shutting down gracefully", signum)
+            if on_stop:
+                on_stop()
+            threading.Thread(target=self.stop, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+
+
+T = TypeVar("T")
+
+
+def call_with_retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    max_elapsed: float = 60.0,
+    initial: float = 0.2,
+    maximum: float = 5.0,
+    stop: threading.Event | None = None,
+    retry_on: frozenset = RETRYABLE,
+) -> T:
+    """Call ``fn`` until it succeeds, retrying with jittered exponential backoff while the
+    peer is unavailable. Other errors, and the last error after ``max_elapsed``, propagate."""
+    deadline = time.monotonic() + max_elapsed
+    delay = initial
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code not in retry_on or time.monotonic() + delay > deadline:
+                raise
+            if attempt == 1 or attempt % 10 == 0:
+                log.info("%s: %s (%s); retrying", what, code, exc.details() if hasattr(exc, "details") else "")
+        sleep = delay * (0.5 + random.random() / 2)
+        if stop is not None:
+            if stop.wait(sleep):
+                raise InterruptedError(f"{what}: stopped while retrying")
+        else:
+            time.sleep(sleep)
+        delay = min(delay * 2, maximum)
+
+
+def chunks(payload: bytes, chunk_bytes: int) -> Iterator[bytes]:
+    if chunk_bytes <= 0:
+        raise ValueError("chunk size must be positive")
+    view = memoryview(payload)
+    for i in range(0, len(payload), chunk_bytes):
+        yield bytes(view[i : i + chunk_bytes])

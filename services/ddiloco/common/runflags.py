@@ -1,0 +1,81 @@
+"""The flags that build a ``RunConfig``, shared by ``ddiloco run`` and ``ddiloco coordinator``
+(the coordinator owns the run config; ``run`` forwards these flags to it unchanged)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+
+from ddiloco.common.config import MODEL_PRESETS, RunConfig
+from ddiloco.common.codec import CODECS
+
+# (flag, dest path in RunConfig, type, help)
+_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--run-id", "run_id", str, "run identifier"),
+    ("--learners", "learners", int, "M: number of learners (and data shards)"),
+    ("--max-seconds", "max_seconds", float, "training budget in seconds, from the first learner's arrival"),
+    ("--max-tokens", "max_tokens", int, "token budget across learners (0: none)"),
+    ("--seed", "seed", int, "seed of the initial model"),
+    ("--data", "data.path", str, "train on this text file or folder instead of the built-in corpus"),
+    ("--data-bytes", "data.max_bytes", int, "read at most this many bytes of text"),
+    ("--inner-steps", "learner.inner_steps", int, "H: inner steps between uploads"),
+    ("--batch-size", "learner.batch_size", int, "sequences per inner step"),
+    ("--lr", "learner.lr", float, "inner AdamW learning rate"),
+    ("--codec", "learner.codec", str, f"pseudo-gradient codec: {', '.join(CODECS)}"),
+    ("--block-size", "learner.block_size", int, "quantization block size"),
+    ("--outer-lr", "outer.lr", float, "outer SGD learning rate"),
+    ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
+    ("--quorum", "outer.quorum", int, "K: deltas needed before a merge"),
+    ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),
+    ("--checkpoint-every", "outer.checkpoint_every", int, "merges between checkpoints"),
+    ("--eval-interval", "outer.eval_interval_s", float, "seconds between evaluations of the global model"),
+    ("--lease-timeout", "lease_timeout_s", float, "seconds without heartbeat before a learner is dead"),
+]
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run configuration")
+    group.add_argument("--config", type=pathlib.Path, default=None, help="start from this RunConfig JSON")
+    group.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
+    group.add_argument("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
+    for flag, dest, typ, help_ in _FLAGS:
+        group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_)
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    cfg = RunConfig.from_json(args.config.read_text()) if args.config else RunConfig()
+    if args.model:
+        cfg.model = copy.deepcopy(MODEL_PRESETS[args.model])
+    if args.sync:
+        cfg.learner.sync = True
+    for _, dest, _, _ in _FLAGS:
+        value = getattr(args, "cfg_" + dest.replace(".", "__"))
+        if value is None:
+            continue
+        target = cfg
+        *path, leaf = dest.split(".")
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+    if cfg.learner.codec not in CODECS:
+        raise SystemExit(f"--codec must be one of {CODECS}, got {cfg.learner.codec!r}")
+    if cfg.learners < 1:
+        raise SystemExit("--learners must be at least 1")
+    return cfg
+
+
+def forward_run_flags(args: argparse.Namespace) -> list[str]:
+    """Re-emit the run flags that were given, for a child coordinator process."""
+    out: list[str] = []
+    if args.config:
+        out += ["--config", str(args.config)]
+    if args.model:
+        out += ["--model", args.model]
+    if args.sync:
+        out += ["--sync"]
+    for flag, dest, _, _ in _FLAGS:
+        value = getattr(args, "cfg_" + dest.replace(".", "__"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out

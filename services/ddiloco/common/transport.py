@@ -1,0 +1,66 @@
+"""The learner's view of the outer optimizer, behind a small interface: push a delta, pull
+the global parameters, read the status. Everything gRPC-specific stays in here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ddiloco.common import codec
+from ddiloco.common.rpc import channel
+from ddiloco.common.wire import decode_payload, payload_info, reassemble, stream_messages
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+
+@dataclass
+class GlobalParams:
+    version: int
+    tokens_merged: int  # tokens merged into this version, the clock of staleness
+    arrays: list[tuple[str, np.ndarray]]
+    nbytes: int
+
+
+class OuterClient:
+    def __init__(self, address: str, run_id: str, learner_id: int, chunk_bytes: int = 1 << 20) -> None:
+        self.address = address
+        self.run_id = run_id
+        self.learner_id = learner_id
+        self.chunk_bytes = chunk_bytes
+        self._channel = channel(address)
+        self._stub = outer_pb2_grpc.OuterOptimizerStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def push(
+        self, enc: codec.Encoded, *, seq: int, base_version: int, tokens: int, inner_steps: int, loss: float, timeout: float
+    ) -> outer_pb2.PushDeltaResponse:
+        header = outer_pb2.DeltaHeader(
+            run_id=self.run_id,
+            learner_id=self.learner_id,
+            base_version=base_version,
+            tokens=tokens,
+            inner_steps=inner_steps,
+            seq=seq,
+            payload=payload_info(enc),
+            loss=loss,
+        )
+        messages = stream_messages(outer_pb2.DeltaChunk, header, enc.payload, self.chunk_bytes)
+        return self._stub.PushDelta(messages, timeout=timeout)
+
+    def pull(self, have_version: int, timeout: float) -> "GlobalParams":
+        stream = self._stub.PullGlobal(
+            outer_pb2.PullGlobalRequest(run_id=self.run_id, learner_id=self.learner_id, have_version=have_version),
+            timeout=timeout,
+        )
+        header, payload = reassemble(stream, 1 << 34, "global parameters")
+        return GlobalParams(header.version, header.tokens_merged, decode_payload(header.payload, payload), len(payload))
+
+    def status(self, timeout: float = 3.0) -> outer_pb2.OuterStatus:
+        return self._stub.GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
+
+
+def is_retryable(exc: grpc.RpcError) -> bool:
+    return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)

@@ -1,0 +1,36 @@
+"""``ddiloco coordinator``: serve membership, leases and the run configuration."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+
+from ddiloco.common.cliargs import apply_env_defaults, setup_logging
+from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="127.0.0.1:50051", help="HOST:PORT to listen on (port 0: any free port)")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="config.json, metrics.jsonl, report.json go here")
+    parser.add_argument("--exit-when-finished", action="store_true", help="exit once the report is written")
+    parser.add_argument("--port-file", type=pathlib.Path, default=None, help="write the bound port here once serving")
+    parser.add_argument("--log-level", default="INFO")
+    add_run_flags(parser)
+    apply_env_defaults(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("coordinator", args.log_level)
+    from ddiloco.common.durable import write_bytes
+    from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
+
+    config = run_config_from_args(args)
+    svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished))
+    signal.signal(signal.SIGTERM, lambda *_: svc.stop())
+    signal.signal(signal.SIGINT, lambda *_: svc.stop())
+    svc.start()
+    if args.port_file:
+        write_bytes(args.port_file, str(svc.port).encode())
+    svc.wait()
+    return 0

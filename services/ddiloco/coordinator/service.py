@@ -1,0 +1,212 @@
+"""The coordinator service: gRPC front of ``Membership``, the lease/budget timer, and the
+end of the run (drain, final evaluation by the outer optimizer, ``report.json``)."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.durable import write_json
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.coordinator.membership import STATE_NAMES, Membership, MembershipError
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CODES = {
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+}
+
+
+@dataclass
+class CoordinatorOptions:
+    bind: str = "127.0.0.1:50051"
+    run_dir: pathlib.Path | None = None
+    exit_when_finished: bool = False
+    linger_s: float = 3.0  # after FINISHED, keep answering so peers learn the run is over
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    def __init__(self, svc: "CoordinatorService") -> None:
+        self.svc = svc
+
+    def _guard(self, context, fn):
+        try:
+            return fn()
+        except MembershipError as exc:
+            context.abort(_CODES[exc.kind], exc.message)
+
+    def Register(self, request, context):
+        svc = self.svc
+        rec = self._guard(context, lambda: svc.members.register(request))
+        svc.metrics.event(
+            "learner_registered", learner=rec.learner_id, incarnation=rec.incarnation, address=rec.address, shard=rec.shard_index
+        )
+        cfg = svc.config
+        return coordinator_pb2.RegisterResponse(
+            run_id=cfg.run_id,
+            learner_id=rec.learner_id,
+            shard_index=rec.shard_index,
+            num_shards=cfg.learners,
+            config_json=cfg.to_json(),
+            outer_address=svc.members.outer_address,
+            lease_ms=int(cfg.lease_timeout_s * 1000),
+            heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
+        )
+
+    def Heartbeat(self, request, context):
+        svc = self.svc
+        if request.run_id != svc.config.run_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not {svc.config.run_id!r}")
+        self._guard(context, lambda: svc.members.heartbeat(request.learner_id, request.stats))
+        return coordinator_pb2.HeartbeatResponse(
+            state=svc.members.state,
+            outer_address=svc.members.outer_address,
+            lease_ms=int(svc.config.lease_timeout_s * 1000),
+        )
+
+    def Leave(self, request, context):
+        svc = self.svc
+        self._guard(context, lambda: svc.members.leave(request.learner_id, request.stats))
+        svc.metrics.event("learner_left", learner=request.learner_id, reason=request.reason)
+        return coordinator_pb2.LeaveResponse()
+
+    def GetRunConfig(self, request, context):
+        svc = self.svc
+        return coordinator_pb2.RunConfigResponse(run_id=svc.config.run_id, config_json=svc.config.to_json(), state=svc.members.state)
+
+    def GetMembership(self, request, context):
+        return self.svc.members.membership_pb()
+
+    def RegisterService(self, request, context):
+        svc = self.svc
+        if request.run_id != svc.config.run_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not {svc.config.run_id!r}")
+        if request.kind != "outer":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown service kind {request.kind!r}")
+        svc.members.set_outer(request.address)
+        svc.metrics.event("outer_registered", address=request.address)
+        return coordinator_pb2.RegisterServiceResponse(run_id=svc.config.run_id, state=svc.members.state)
+
+
+class CoordinatorService:
+    def __init__(self, config: RunConfig, options: CoordinatorOptions) -> None:
+        self.config = config
+        self.options = options
+        run_dir = options.run_dir
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json(run_dir / "config.json", __import__("json").loads(config.to_json()))
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "coordinator")
+        self.members = Membership(config, run_dir / "coordinator" / "state.json" if run_dir else None)
+        self.stop_event = threading.Event()
+        self.finished = threading.Event()
+        self.report: dict | None = None
+        self.server = Server(options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name])
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), self.server.grpc_server)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start(self) -> None:
+        self.server.start()
+        self.server.set_ready()
+        self.metrics.event("coordinator_ready", port=self.server.port, run_id=self.config.run_id)
+        threading.Thread(target=self._timer_loop, name="timer", daemon=True).start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def wait(self) -> None:
+        while not self.stop_event.wait(0.5):
+            if self.finished.is_set() and self.options.exit_when_finished:
+                self.stop_event.wait(self.options.linger_s)
+                break
+        self.members.save()
+        self.server.stop()
+
+    def _timer_loop(self) -> None:
+        last_save = time.monotonic()
+        while not self.stop_event.wait(0.25):
+            for kind, fields in self.members.tick():
+                self.metrics.event(kind, **fields)
+            if time.monotonic() - last_save > 5:
+                self.members.save()  # keeps learner statistics fresh across a restart
+                last_save = time.monotonic()
+            if self.members.drained() and not self.finished.is_set():
+                try:
+                    self._finish()
+                except Exception:
+                    log.exception("finishing the run failed; retrying")
+                    self.stop_event.wait(2.0)
+
+    def _finish(self) -> None:
+        """Ask the outer optimizer to merge what is pending and evaluate; write the report."""
+        outer_address = self.members.outer_address
+        with channel(outer_address) as ch:
+            stub = outer_pb2_grpc.OuterOptimizerStub(ch)
+            final = call_with_retry(
+                lambda: stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120),
+                what="finalize outer optimizer",
+                max_elapsed=120,
+                stop=self.stop_event,
+            )
+        self.members.finish()
+        self.report = build_report(self.config, self.members, final)
+        if self.options.run_dir is not None:
+            write_json(self.options.run_dir / "report.json", self.report)
+        self.metrics.event("finished", final_eval_loss=final.final_eval_loss, outer_steps=final.status.outer_steps)
+        self.finished.set()
+
+
+def build_report(config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse) -> dict:
+    st = final.status
+    merged = {m.learner_id: m for m in st.learners}
+    learners = []
+    for rec in sorted(members.members.values(), key=lambda r: r.learner_id):
+        s = rec.total_stats()
+        m = merged.get(rec.learner_id)
+        learners.append(
+            {
+                "learner_id": rec.learner_id,
+                "shard": rec.shard_index,
+                "incarnations": rec.incarnation,
+                "tokens": s["tokens"],
+                "inner_steps": s["inner_steps"],
+                "deltas_sent": s["deltas_sent"],
+                "deltas_acked": s["deltas_acked"],
+                "deltas_merged": m.deltas_merged if m else 0,
+                "deltas_refused": m.deltas_refused if m else 0,
+                "tokens_merged": m.tokens_merged if m else 0,
+                "bytes_uploaded": s["bytes_uploaded"],
+                "bytes_downloaded": s["bytes_downloaded"],
+                "compute_seconds": round(s["compute_seconds"], 3),
+                "wall_seconds": round(s["wall_seconds"], 3),
+            }
+        )
+    return {
+        "run_id": config.run_id,
+        "state": STATE_NAMES[members.state],
+        "initial_eval_loss": st.initial_eval_loss,
+        "final_eval_loss": final.final_eval_loss,
+        "final_eval_accuracy": final.final_eval_accuracy,
+        "tokens_trained": sum(x["tokens"] for x in learners),
+        "tokens_merged": st.tokens_merged,
+        "outer_steps": st.outer_steps,
+        "global_version": st.version,
+        "bytes_uploaded": sum(x["bytes_uploaded"] for x in learners),
+        "bytes_downloaded": sum(x["bytes_downloaded"] for x in learners),
+        "wall_seconds": round(members.elapsed(), 3),
+        "model_parameters": st.model_parameters,
+        "learners": learners,
+    }

@@ -1,0 +1,131 @@
+"""Start and supervise the services of one run as local processes.
+
+Every service is the same entry point a container would run (``python -m ddiloco ...``),
+so the local path and the Docker path exercise identical code.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddiloco.common.rpc import channel
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+CHILD_ENV = {
+    # one busy thread per process: several processes share few cores
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: pathlib.Path
+
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+
+@dataclass
+class Cluster:
+    out: pathlib.Path
+    procs: list[Proc] = field(default_factory=list)
+    coordinator_address: str = ""
+
+    def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Proc:
+        log_dir = self.out / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{name}.log"
+        env = {**os.environ, **CHILD_ENV, **(extra_env or {})}
+        src = str(pathlib.Path(__file__).resolve().parents[2])  # works from a checkout without install
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "ddiloco", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # Ctrl-C in the terminal goes to the launcher, which stops children in order
+            )
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def start_coordinator(self, run_flags: list[str], timeout: float = 60.0) -> Proc:
+        port_file = self.out / "coordinator.port"
+        port_file.unlink(missing_ok=True)
+        proc = self.spawn(
+            "coordinator",
+            ["coordinator", "--bind", "127.0.0.1:0", "--run-dir", str(self.out), "--exit-when-finished",
+             "--port-file", str(port_file), *run_flags],
+        )
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            if proc.returncode() is not None:
+                raise RuntimeError(f"coordinator exited with {proc.returncode()}; see {proc.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"coordinator did not start within {timeout}s; see {proc.log_path}")
+            time.sleep(0.05)
+        self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
+        return proc
+
+    def start_outer(self) -> Proc:
+        return self.spawn(
+            "outer",
+            ["outer", "--bind", "127.0.0.1:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
+             "--exit-when-finished"],
+        )
+
+    def start_learner(self, index: int, extra: list[str] | None = None, name: str | None = None) -> Proc:
+        return self.spawn(
+            name or f"learner-{index}",
+            ["learner", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
+             "--datacenter", f"dc{index}", *(extra or [])],
+        )
+
+    def membership(self, timeout: float = 2.0) -> coordinator_pb2.Membership | None:
+        try:
+            with channel(self.coordinator_address) as ch:
+                return coordinator_pb2_grpc.CoordinatorStub(ch).GetMembership(
+                    coordinator_pb2.GetMembershipRequest(), timeout=timeout
+                )
+        except grpc.RpcError:
+            return None
+
+    def failed(self) -> list[Proc]:
+        return [p for p in self.procs if p.returncode() not in (None, 0)]
+
+    def wait_all(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                p.popen.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        """SIGTERM everyone (graceful shutdown), SIGKILL what is left after ``grace``."""
+        for p in self.procs:
+            if p.returncode() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        if not self.wait_all(grace):
+            for p in self.procs:
+                if p.returncode() is None:
+                    try:
+                        os.killpg(p.popen.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self.wait_all(5)

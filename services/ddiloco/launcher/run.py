@@ -1,0 +1,109 @@
+"""Run one training job as local processes and supervise it to the end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ddiloco.common.rpc import channel
+from ddiloco.launcher.processes import Cluster
+from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
+
+
+@dataclass
+class LaunchOptions:
+    out: pathlib.Path
+    run_flags: list[str]
+    learners: int
+    device: str = "auto"
+    slowdown: dict[int, float] = field(default_factory=dict)
+    learner_flags: dict[int, list[str]] = field(default_factory=dict)
+    progress: bool = True
+    timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
+
+
+@dataclass
+class LaunchResult:
+    report: dict | None
+    failures: dict[str, int]
+    out: pathlib.Path
+
+    @property
+    def ok(self) -> bool:
+        return self.report is not None and not self.failures
+
+
+def launch(options: LaunchOptions) -> LaunchResult:
+    options.out.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(options.out)
+    try:
+        coordinator = cluster.start_coordinator(options.run_flags)
+        cluster.start_outer()
+        for i in range(options.learners):
+            extra = ["--device", options.device]
+            if i in options.slowdown:
+                extra += ["--slowdown", str(options.slowdown[i])]
+            extra += options.learner_flags.get(i, [])
+            cluster.start_learner(i, extra)
+        _supervise(cluster, coordinator, options)
+        cluster.wait_all(timeout=60)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping services", file=sys.stderr)
+    finally:
+        cluster.stop_all()
+    report_path = options.out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    failures = {p.name: p.returncode() for p in cluster.failed()}
+    return LaunchResult(report, failures, options.out)
+
+
+def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
+    deadline = time.monotonic() + options.timeout_s
+    tty = sys.stderr.isatty()
+    last_print = 0.0
+    while coordinator.returncode() is None:
+        failed = cluster.failed()
+        if failed:
+            names = ", ".join(f"{p.name} (exit {p.returncode()})" for p in failed)
+            print(f"\nservice failed: {names}; stopping the run", file=sys.stderr)
+            return
+        if time.monotonic() > deadline:
+            print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
+            return
+        time.sleep(0.5)  # pacing of the progress display, not synchronisation
+        if options.progress and time.monotonic() - last_print >= (1.0 if tty else 10.0):
+            line = progress_line(cluster)
+            if line:
+                print(("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+            last_print = time.monotonic()
+    if options.progress and tty:
+        print(file=sys.stderr)
+
+
+def progress_line(cluster: Cluster) -> str | None:
+    m = cluster.membership()
+    if m is None:
+        return None
+    tokens = sum(x.stats.tokens for x in m.members)
+    up = sum(x.stats.bytes_uploaded for x in m.members)
+    down = sum(x.stats.bytes_downloaded for x in m.members)
+    alive = sum(1 for x in m.members if x.alive)
+    state = coordinator_pb2.RunState.Name(m.state).removeprefix("RUN_STATE_").lower()
+    version, loss = "-", "-"
+    if m.outer_address:
+        try:
+            with channel(m.outer_address) as ch:
+                st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2)
+            version = str(st.version)
+            loss = f"{st.last_eval_loss:.3f}" if st.last_eval_version or st.last_eval_loss else "-"
+        except grpc.RpcError:
+            pass
+    return (
+        f"[{m.elapsed_seconds:6.1f}s {state}] tokens {tokens / 1e6:6.2f}M  eval loss {loss}  version {version}  "
+        f"up {up / 1e6:6.1f}MB down {down / 1e6:6.1f}MB  learners {alive}/{len(m.members)}"
+    )

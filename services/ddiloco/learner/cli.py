@@ -1,0 +1,49 @@
+"""``ddiloco learner``: run one learner until the run drains."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+
+from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--coordinator", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT of this learner's status/health endpoint")
+    parser.add_argument("--advertise", default="", help="HOST:PORT others should use to reach this learner")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="append events to RUN_DIR/metrics.jsonl")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--learner-id", type=int, default=-1, help="rejoin under this id (default: a free one)")
+    parser.add_argument("--datacenter", default="", help="label of this learner's datacenter")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="emulate hardware this many times slower")
+    parser.add_argument("--batch-size", type=int, default=0, help="override the run's batch size for this learner")
+    parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--log-level", default="INFO")
+    apply_env_defaults(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("learner", args.log_level)
+    limit_threads(args.threads)
+    from ddiloco.learner.worker import Learner, LearnerOptions
+
+    learner = Learner(
+        LearnerOptions(
+            coordinator=args.coordinator,
+            bind=args.bind,
+            advertise=args.advertise,
+            run_dir=args.run_dir,
+            device=args.device,
+            learner_id=args.learner_id,
+            datacenter=args.datacenter,
+            slowdown=args.slowdown,
+            batch_size=args.batch_size,
+            inner_steps=args.inner_steps,
+        )
+    )
+    signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: learner.request_stop())
+    return learner.run()

@@ -1,0 +1,320 @@
+"""One learner: the inner AdamW loop on its shard, and its lifecycle around it.
+
+The rule for folding new global parameters into local state
+-----------------------------------------------------------
+The learner keeps an *anchor*: the point its current window is measured from. At the end
+of every window of H steps it queues ``anchor - params`` for upload and moves the anchor to
+``params``; so ``anchor - params`` is always the work not yet sent. When a newer global
+version G arrives (pulled in the background), at the next step boundary::
+
+    params <- G + (params - anchor)     # keep the unsent work, re-based onto G
+    anchor <- G
+
+Nothing is trained twice and nothing is lost: sent work reaches the model through the outer
+optimizer, unsent work stays local and is sent in the next window. The AdamW state is kept.
+In synchronous mode (``LearnerConfig.sync``) the learner waits after each upload until the
+merged version arrives; the unsent work is then zero, so it restarts exactly from G.
+
+Where a restarted learner resumes
+---------------------------------
+Its shard is read in a fixed order (``ShardSampler``). On start it asks the outer optimizer
+how many of this learner id's tokens were accepted durably and resumes at that batch, so
+work that was acknowledged is not trained again, and at most the one window that was in
+flight when it died (never acknowledged) is trained again.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.data import ShardSampler, load_corpus
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.model import build_model
+from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.transport import GlobalParams, OuterClient
+from ddiloco.learner.puller import Puller
+from ddiloco.learner.stats import Stats
+from ddiloco.learner.uploader import Uploader, Window
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STOP_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
+
+
+@dataclass
+class LearnerOptions:
+    coordinator: str = "127.0.0.1:50051"
+    bind: str = "127.0.0.1:0"
+    advertise: str = ""
+    run_dir: pathlib.Path | None = None
+    device: str = "auto"
+    learner_id: int = -1  # >= 0: rejoin under this id
+    datacenter: str = ""
+    slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
+    batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
+    inner_steps: int = 0  # 0: the run's H
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+class LearnerServicer(learner_pb2_grpc.LearnerServicer):
+    def __init__(self, learner: "Learner") -> None:
+        self.learner = learner
+
+    def GetStatus(self, request, context):
+        lr = self.learner
+        return learner_pb2.LearnerStatus(
+            run_id=lr.run_id, learner_id=lr.learner_id, phase=lr.phase, device=str(lr.device), stats=lr.stats.pb()
+        )
+
+
+class Learner:
+    def __init__(self, options: LearnerOptions) -> None:
+        self.options = options
+        self.device = pick_device(options.device)
+        self.stats = Stats()
+        self.phase = "starting"
+        self.run_id = ""
+        self.learner_id = -1
+        self.drain = threading.Event()
+        self.stop_event = threading.Event()
+        self.coord_channel = channel(options.coordinator)
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
+        self.outer_address = ""
+        self._client: OuterClient | None = None
+        self._client_lock = threading.Lock()
+        self.metrics = MetricsLog(None, "learner")
+        self.server = Server(options.bind, [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name], max_workers=4)
+        learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self), self.server.grpc_server)
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        self.server.start()
+        try:
+            self._register()
+            self._setup()
+        except InterruptedError:
+            self.server.stop()
+            return 0
+        self.server.set_ready()
+        self.phase = "training"
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        self.uploader.start()
+        self.puller.start()
+        try:
+            self._train()
+        finally:
+            self._finish()
+        return 0
+
+    def request_stop(self) -> None:
+        """SIGTERM: flush what was trained, leave cleanly."""
+        self.drain.set()
+
+    def _register(self) -> None:
+        host = self.options.bind.rsplit(":", 1)[0]
+        address = self.options.advertise or f"{host}:{self.server.port}"
+        req = coordinator_pb2.RegisterRequest(
+            address=address,
+            datacenter=self.options.datacenter,
+            requested_learner_id=self.options.learner_id if self.learner_id < 0 else self.learner_id,
+            device=str(self.device),
+        )
+        resp = call_with_retry(
+            lambda: self.coordinator.Register(req, timeout=5),
+            what="register with coordinator",
+            max_elapsed=600,
+            stop=self.drain,
+        )
+        self.run_id = resp.run_id
+        self.learner_id = resp.learner_id
+        self.shard_index = resp.shard_index
+        self.config = RunConfig.from_json(resp.config_json)
+        self.heartbeat_s = resp.heartbeat_ms / 1000
+        self._set_outer(resp.outer_address)
+
+    def _set_outer(self, address: str) -> None:
+        with self._client_lock:
+            if address and address != self.outer_address:
+                if self._client is not None:
+                    self._client.close()
+                self.outer_address = address
+                self._client = OuterClient(address, self.run_id, self.learner_id, self.config.learner.chunk_bytes)
+
+    def client(self) -> OuterClient:
+        with self._client_lock:
+            assert self._client is not None
+            return self._client
+
+    def _setup(self) -> None:
+        cfg = self.config
+        lcfg = cfg.learner
+        if self.options.run_dir is not None:
+            self.metrics = MetricsLog(self.options.run_dir / "metrics.jsonl", f"learner-{self.learner_id}")
+        self.batch_size = self.options.batch_size or lcfg.batch_size
+        self.inner_steps = self.options.inner_steps or lcfg.inner_steps
+        self.tokens_per_step = self.batch_size * cfg.model.context
+        corpus = load_corpus(cfg.data, cfg.learners)
+        self.sampler = ShardSampler(
+            corpus.shards[self.shard_index], cfg.model.context, self.batch_size, seed=cfg.data.seed + self.shard_index
+        )
+        self.model = build_model(cfg.model, cfg.seed).to(self.device)
+        self.params = [p for p in self.model.parameters()]
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lcfg.lr, weight_decay=lcfg.weight_decay, betas=(0.9, 0.95)
+        )
+        self.puller = Puller(self.client, self.learner_id, cfg.round_tokens(), lcfg.pull_poll_s, self.stats, self.metrics)
+        status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
+        mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
+        self.batch_index = (mine.tokens_accepted // self.tokens_per_step) if mine else 0
+        first_seq = (mine.last_seq + 1) if mine else 1
+        got = call_with_retry(lambda: self.puller.pull_now(), what="initial pull", max_elapsed=300, stop=self.drain)
+        with torch.no_grad():
+            for p, (_, a) in zip(self.params, got.arrays):
+                p.copy_(torch.from_numpy(a).to(self.device))
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.version = got.version
+        self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq)
+        self.metrics.event(
+            "learner_start",
+            learner=self.learner_id,
+            shard=self.shard_index,
+            version=self.version,
+            batch_index=self.batch_index,
+            first_seq=first_seq,
+            device=str(self.device),
+            slowdown=self.options.slowdown,
+        )
+
+    # ------------------------------------------------------------------ training
+    @torch.no_grad()
+    def _fold(self, got: GlobalParams) -> None:
+        for p, a, (_, g) in zip(self.params, self.anchor, got.arrays):
+            g_t = torch.from_numpy(g).to(self.device)
+            p.add_(g_t - a)
+            a.copy_(g_t)
+        self.version = got.version
+
+    def _lr(self, step: int) -> float:
+        warm = self.config.learner.warmup_steps
+        return self.config.learner.lr * min(1.0, (step + 1) / max(warm, 1))
+
+    def _train(self) -> None:
+        lcfg = self.config.learner
+        window_steps = 0
+        window_loss = 0.0
+        start = time.monotonic()
+        step = 0
+        while not self.drain.is_set():
+            got = self.puller.take()
+            if got is not None and got.version > self.version:
+                self._fold(got)
+            t0 = time.perf_counter()
+            x, y = self.sampler.batch(self.batch_index)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr(step)
+            _, loss = self.model(x, y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, lcfg.grad_clip)
+            self.optimizer.step()
+            loss_value = float(loss.detach())  # also synchronises CUDA, so the timing below is honest
+            dt = time.perf_counter() - t0
+            if self.options.slowdown > 1:
+                # emulated slower hardware: the extra time counts as compute, as it would there
+                self.drain.wait((self.options.slowdown - 1) * dt)
+                dt = time.perf_counter() - t0
+            step += 1
+            self.batch_index += 1
+            window_steps += 1
+            window_loss += loss_value
+            self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
+            self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
+            if window_steps == self.inner_steps:
+                self._end_window(window_steps, window_loss / window_steps)
+                window_steps, window_loss = 0, 0.0
+                if lcfg.sync:
+                    self._wait_for_merge()
+        if window_steps:
+            self._end_window(window_steps, window_loss / window_steps)
+        self.stats.set(wall_seconds=time.monotonic() - start)
+
+    @torch.no_grad()
+    def _end_window(self, steps: int, mean_loss: float) -> None:
+        arrays = [(n, (a - p).float().cpu().numpy()) for n, a, p in zip(self.names, self.anchor, self.params)]
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p)
+        self.uploader.submit(Window(arrays, self.version, steps * self.tokens_per_step, steps, mean_loss))
+        self.metrics.event(
+            "window", learner=self.learner_id, steps=steps, loss=round(mean_loss, 5), base_version=self.version,
+            queued=self.uploader.pending(),
+        )
+
+    def _wait_for_merge(self) -> None:
+        """Synchronous DiLoCo: block until the merged version that holds this window arrives."""
+        t0 = time.perf_counter()
+        while not self.drain.is_set() and not self.puller.arrived.wait(0.2):
+            pass
+        self.metrics.event("sync_wait", learner=self.learner_id, seconds=round(time.perf_counter() - t0, 4))
+
+    # ------------------------------------------------------------------ background
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.wait(self.heartbeat_s):
+            req = coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb())
+            try:
+                resp = self.coordinator.Heartbeat(req, timeout=5)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and not self.drain.is_set():
+                    # the coordinator lost us (restarted without state): join again, same id
+                    try:
+                        self._register()
+                        self.metrics.event("reregistered", learner=self.learner_id)
+                    except (grpc.RpcError, InterruptedError):
+                        pass
+                elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.info("coordinator refused heartbeat: %s", exc.details())
+                    self.drain.set()
+                continue  # coordinator unreachable: keep training and uploading
+            self._set_outer(resp.outer_address)
+            if resp.state in STOP_STATES and not self.drain.is_set():
+                log.info("run is %s: draining", coordinator_pb2.RunState.Name(resp.state))
+                self.drain.set()
+
+    def _finish(self) -> None:
+        self.phase = "draining"
+        flushed = self.uploader.flush(timeout=self.config.drain_timeout_s / 2)
+        self.uploader.stop()
+        self.puller.stop()
+        self.stop_event.set()
+        self.metrics.event(
+            "learner_stop", learner=self.learner_id, flushed=flushed, tokens=self.stats.get("tokens"),
+            deltas_sent=self.stats.get("deltas_sent"),
+        )
+        try:
+            self.coordinator.Leave(
+                coordinator_pb2.LeaveRequest(
+                    run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(), reason="drained" if flushed else "drain timeout"
+                ),
+                timeout=5,
+            )
+        except grpc.RpcError as exc:
+            log.warning("leave: %s", exc.code().name)
+        self.phase = "stopped"
+        self.server.stop(grace=1.0)

@@ -1,0 +1,45 @@
+"""``ddiloco outer``: serve the outer optimizer."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", default="127.0.0.1:50052", help="HOST:PORT to listen on (port 0: any free port)")
+    parser.add_argument("--advertise", default="", help="HOST:PORT learners should use (default: the bound address)")
+    parser.add_argument("--coordinator", default="127.0.0.1:50051", help="coordinator HOST:PORT")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="checkpoints, journal and metrics go here")
+    parser.add_argument("--exit-when-finished", action="store_true", help="exit once the coordinator reports the run finished")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--log-level", default="INFO")
+    apply_env_defaults(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    setup_logging("outer", args.log_level)
+    limit_threads(args.threads)
+    from ddiloco.outer.service import OuterOptions, OuterService
+
+    svc = OuterService(
+        OuterOptions(
+            bind=args.bind,
+            advertise=args.advertise,
+            coordinator=args.coordinator,
+            run_dir=args.run_dir,
+            exit_when_finished=args.exit_when_finished,
+        )
+    )
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: svc.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: svc.stop_event.set())
+    try:
+        svc.start()
+    except InterruptedError:
+        return 0  # stopped by a signal before the coordinator answered
+    svc.wait()
+    return 0

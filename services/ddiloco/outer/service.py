@@ -1,0 +1,259 @@
+"""The outer-optimizer service: gRPC front of ``OuterState``, plus its background loops
+(merging, evaluation, watching the coordinator)."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddiloco.common import codec
+from ddiloco.common.config import RunConfig
+from ddiloco.common.data import eval_windows, load_corpus
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.model import build_model, evaluate
+from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
+from ddiloco.outer.state import OuterState
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OuterOptions:
+    bind: str = "127.0.0.1:0"
+    advertise: str = ""  # address learners should use; defaults to the bound one
+    coordinator: str = "127.0.0.1:50051"
+    run_dir: pathlib.Path | None = None
+    exit_when_finished: bool = False
+
+
+class KnownLearners:
+    """Which learner ids the coordinator has registered, refreshed on a miss."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+        self._stub = stub
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
+
+    def refresh(self) -> None:
+        resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+        with self._lock:
+            self._ids = {m.learner_id for m in resp.members}
+            self.last_state = resp.state
+
+    def check(self, learner_id: int) -> None:
+        with self._lock:
+            if learner_id in self._ids:
+                return
+        try:
+            self.refresh()
+        except grpc.RpcError as exc:
+            raise Refused(
+                grpc.StatusCode.UNAVAILABLE, f"cannot confirm learner {learner_id} with the coordinator: {exc.code().name}"
+            ) from exc
+        with self._lock:
+            if learner_id not in self._ids:
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"learner {learner_id} is not registered with the coordinator")
+
+
+class Evaluator:
+    """Evaluates the global parameters on the held-out windows, off the merge path."""
+
+    def __init__(self, config: RunConfig, state: OuterState, metrics: MetricsLog) -> None:
+        self.state = state
+        self.metrics = metrics
+        corpus = load_corpus(config.data, config.learners)
+        self.windows = eval_windows(corpus.eval_bytes, config.model.context, config.data.eval_windows)
+        self.model = build_model(config.model, config.seed)
+        self.lock = threading.Lock()
+        self.initial: tuple[float, float] | None = None
+        self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
+
+    def run_once(self) -> tuple[int, float, float]:
+        with self.lock:
+            version, _, arrays = self.state.snapshot()
+            if self.last is not None and self.last[0] == version:
+                return self.last
+            with torch.no_grad():
+                for p, (_, a) in zip(self.model.parameters(), arrays):
+                    p.copy_(torch.from_numpy(a))
+            loss, acc = evaluate(self.model, self.windows)
+            self.last = (version, loss, acc)
+            if self.initial is None:
+                self.initial = (loss, acc)
+            self.metrics.event("eval", version=version, eval_loss=round(loss, 5), eval_accuracy=round(acc, 5))
+            return self.last
+
+
+class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
+    def __init__(self, service: "OuterService") -> None:
+        self.svc = service
+
+    def PushDelta(self, request_iterator, context):
+        svc = self.svc
+        try:
+            header, payload = reassemble(request_iterator, svc.config.outer.max_delta_bytes, "delta")
+            if header.run_id == svc.config.run_id:
+                svc.known.check(header.learner_id)
+            version, discount = svc.state.accept(header, payload)
+        except Refused as exc:
+            svc.metrics.event("delta_refused", code=exc.code.name, reason=exc.message)
+            context.abort(exc.code, exc.message)
+        svc.metrics.event(
+            "delta_accepted",
+            learner=header.learner_id,
+            seq=header.seq,
+            base_version=header.base_version,
+            tokens=header.tokens,
+            bytes=len(payload),
+            discount=round(discount, 4),
+        )
+        return outer_pb2.PushDeltaResponse(outcome=outer_pb2.PUSH_OUTCOME_ACCEPTED, global_version=version, weight=discount)
+
+    def PullGlobal(self, request, context):
+        svc = self.svc
+        if request.run_id and request.run_id != svc.config.run_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
+        version, tokens_merged, enc = svc.published()
+        header = outer_pb2.GlobalHeader(version=version, payload=payload_info(enc), tokens_merged=tokens_merged)
+        with svc.bytes_lock:
+            svc.bytes_sent += len(enc.payload)
+        yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+
+    def GetStatus(self, request, context):
+        return self.svc.status()
+
+    def Finalize(self, request, context):
+        svc = self.svc
+        svc.state.merge(force=True)
+        _, loss, acc = svc.evaluator.run_once()
+        svc.state.checkpoint()
+        svc.finalized.set()
+        svc.metrics.event("finalize", version=svc.state.version, eval_loss=loss, eval_accuracy=acc)
+        return outer_pb2.FinalizeResponse(status=svc.status(), final_eval_loss=loss, final_eval_accuracy=acc)
+
+
+class OuterService:
+    def __init__(self, options: OuterOptions) -> None:
+        self.options = options
+        self.stop_event = threading.Event()
+        self.finalized = threading.Event()
+        self.coordinator_channel = channel(options.coordinator)
+        self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
+        self.known = KnownLearners(self.coordinator)
+        self.bytes_lock = threading.Lock()
+        self.bytes_sent = 0
+        self._published: tuple[int, int, codec.Encoded] | None = None
+        self._publish_lock = threading.Lock()
+        self.server: Server | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        resp = call_with_retry(
+            lambda: self.coordinator.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=3),
+            what="fetch run config from coordinator",
+            max_elapsed=300,
+            stop=self.stop_event,
+        )
+        self.config = RunConfig.from_json(resp.config_json)
+        run_dir = self.options.run_dir
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "outer")
+        state_dir = run_dir / "outer" if run_dir else None
+        self.state = OuterState(self.config, state_dir, self.metrics)
+        self.evaluator = Evaluator(self.config, self.state, self.metrics)
+        self.server = Server(self.options.bind, [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name])
+        outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
+        self.server.start()
+        host = self.options.bind.rsplit(":", 1)[0]
+        self.address = self.options.advertise or f"{host}:{self.server.port}"
+        self.evaluator.run_once()  # the initial loss, before any learner can change the model
+        self.server.set_ready()
+        call_with_retry(
+            lambda: self.coordinator.RegisterService(
+                coordinator_pb2.RegisterServiceRequest(run_id=self.config.run_id, kind="outer", address=self.address),
+                timeout=3,
+            ),
+            what="register with coordinator",
+            max_elapsed=300,
+            stop=self.stop_event,
+        )
+        self.metrics.event("outer_ready", address=self.address, version=self.state.version)
+        for target, name in ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        with self.state.lock:
+            self.state.lock.notify_all()
+        if self.server:
+            self.server.stop()
+
+    def wait(self) -> None:
+        while not self.stop_event.wait(0.5):
+            pass
+        if self.server:
+            self.server.stop()
+        # a clean shutdown leaves nothing to replay from the journal
+        self.state.checkpoint()
+
+    # ------------------------------------------------------------------ loops
+    def _merge_loop(self) -> None:
+        state = self.state
+        while not self.stop_event.is_set():
+            with state.lock:
+                while not state.ready_to_merge() and not self.stop_event.is_set():
+                    state.lock.wait(0.5)
+            if self.stop_event.is_set():
+                return
+            try:
+                state.merge()
+            except Exception:  # a merge bug must be loud, not a silent dead thread
+                log.exception("merge failed")
+                self.metrics.event("merge_error")
+                self.stop_event.set()
+
+    def _eval_loop(self) -> None:
+        interval = self.config.outer.eval_interval_s
+        while not self.stop_event.wait(interval):
+            self.evaluator.run_once()
+
+    def _watch_loop(self) -> None:
+        """Follow the run state; exit once the coordinator reports FINISHED."""
+        while not self.stop_event.wait(1.0):
+            try:
+                self.known.refresh()
+            except grpc.RpcError:
+                continue  # the coordinator may be restarting: keep merging meanwhile
+            if self.known.last_state == coordinator_pb2.RUN_STATE_FINISHED and self.options.exit_when_finished:
+                log.info("run finished: exiting")
+                self.stop_event.set()
+
+    # ------------------------------------------------------------------ helpers
+    def published(self) -> tuple[int, int, codec.Encoded]:
+        """(version, tokens merged, fp32 + zstd payload), encoded once per version."""
+        with self._publish_lock:
+            if self._published is None or self._published[0] != self.state.version:
+                version, tokens_merged, arrays = self.state.snapshot()
+                self._published = (version, tokens_merged, codec.encode(arrays, "fp32"))
+            return self._published
+
+    def status(self) -> outer_pb2.OuterStatus:
+        st = self.state.status()
+        st.ready = True
+        if self.evaluator.initial:
+            st.initial_eval_loss = self.evaluator.initial[0]
+        if self.evaluator.last:
+            st.last_eval_version, st.last_eval_loss, st.last_eval_accuracy = self.evaluator.last
+        st.bytes_sent = self.bytes_sent
+        return st
