@@ -23,7 +23,7 @@ class Params:
     # so a group of n chips fails at rate n / mtbi_s while it is running.
     mtbi_s: float = YEAR
     # Synchronous data-parallel: stall after any failure anywhere (calibrated).
-    restart_s: float = 72.9
+    restart_s: float = 69.11
     # Synchronous data-parallel: cost of one checkpoint save, in chip-seconds. Every chip
     # writes its share in parallel, so a save stalls the job for checkpoint_chip_s / chips.
     # 50,000 chip-s is e.g. 5 TB of state at 100 MB/s per chip.
@@ -32,13 +32,13 @@ class Params:
     # for the failure rate (the exact Young/Daly interval).
     checkpoint_interval_s: float | None = None
     # Elastic data-parallel: stall of every running chip per failure (calibrated).
-    rescale_s: float = 19.0
+    rescale_s: float = 19.454
     # Elastic data-parallel: a failure drops its whole slice, which is away for repair_s.
     slice_chips: int = 256
     repair_s: float = 1.5 * HOUR
     # Decoupled DiLoCo: time a failed learner is out (detect, replace, pull the global
     # state, redo unsynced steps); the other learners go on (calibrated).
-    recovery_s: float = 28.6
+    recovery_s: float = 28.669
     # Coefficient of variation of one chip's step time; a synchronous group of n chips
     # waits for its slowest member every step. 0 switches stragglers off.
     step_cv: float = 0.0
