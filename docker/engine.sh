@@ -177,12 +177,19 @@ build_image() {
   say "building $IMAGE on $BASE_IMAGE (inputs $want)"
   local t0=$SECONDS
   # --network host: the build reaches PyPI the way the host does.
-  DOCKER_BUILDKIT=0 docker build -q --network host \
+  local log=/var/log/ddiloco-image-build.log old
+  old=$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+  # BuildKit needs the buildx plugin, which Debian's docker.io lacks; the classic builder
+  # is all this Dockerfile needs.
+  DOCKER_BUILDKIT=0 docker build --network host \
     --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "TORCH_VERSION=$TORCH_VERSION" \
-    --label "ddiloco.inputs=$want" -f "$ROOT/docker/Dockerfile" -t "$IMAGE" "$ROOT" >/dev/null
+    --label "ddiloco.inputs=$want" -f "$ROOT/docker/Dockerfile" -t "$IMAGE" "$ROOT" >"$log" 2>&1 \
+    || { tail -40 "$log" >&2; die "docker build failed (full log: $log)"; }
   say "built $IMAGE in $((SECONDS - t0)) s ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}'))"
-  # Superseded builds leave dangling images; they are only disk.
-  docker image prune -f >/dev/null || true
+  # Only the superseded image goes: the untagged stage images are the build cache.
+  if [[ -n $old && $old != $(docker image inspect -f '{{.Id}}' "$IMAGE") ]]; then
+    docker image rm "$old" >/dev/null 2>&1 || true
+  fi
 }
 
 status() {

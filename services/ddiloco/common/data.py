@@ -81,6 +81,8 @@ def user_documents(path: str, max_bytes: int) -> list[tuple[str, bytes]]:
 class Corpus:
     shards: list[np.ndarray]  # uint8, one per learner
     eval_bytes: np.ndarray
+    shard_docs: list[list[str]]  # document names in each shard
+    eval_docs: list[str]
 
     def describe(self) -> dict:
         return {"shard_bytes": [int(s.size) for s in self.shards], "eval_bytes": int(self.eval_bytes.size)}
@@ -88,26 +90,33 @@ class Corpus:
 
 def load_corpus(cfg: DataConfig, num_shards: int) -> Corpus:
     docs = user_documents(cfg.path, cfg.max_bytes) if cfg.path else builtin_documents(cfg.max_bytes)
-    if len(docs) < 2:
-        # One document: hold out its tail rather than refusing the run.
-        name, data = docs[0]
-        cut = int(len(data) * (1 - 1 / cfg.eval_every_nth_doc))
-        docs = [(name, data[:cut]), (name + ":eval", data[cut:])]
-        eval_docs, train_docs = [docs[1]], [docs[0]]
+    if len(docs) < cfg.eval_every_nth_doc:
+        # Too few documents to hold whole ones out: hold out the tail of each instead.
+        cut = lambda d: int(len(d) * (1 - 1 / cfg.eval_every_nth_doc))  # noqa: E731
+        train_docs = [(n, d[: cut(d)]) for n, d in docs]
+        eval_docs = [(n + ":tail", d[cut(d) :]) for n, d in docs]
     else:
         eval_docs = [d for i, d in enumerate(docs) if i % cfg.eval_every_nth_doc == cfg.eval_every_nth_doc - 1]
         train_docs = [d for i, d in enumerate(docs) if i % cfg.eval_every_nth_doc != cfg.eval_every_nth_doc - 1]
     shards: list[list[bytes]] = [[] for _ in range(num_shards)]
+    names: list[list[str]] = [[] for _ in range(num_shards)]
     if len(train_docs) >= num_shards:
-        for i, (_, data) in enumerate(train_docs):
+        for i, (name, data) in enumerate(train_docs):
             shards[i % num_shards].append(data)
+            names[i % num_shards].append(name)
     else:  # few large documents: cut the stream into equal contiguous pieces instead
         stream = SEPARATOR.join(d for _, d in train_docs)
         step = len(stream) // num_shards
         for i in range(num_shards):
             shards[i].append(stream[i * step : (i + 1) * step])
+            names[i].append(f"stream[{i}]")
     as_array = lambda parts: np.frombuffer(SEPARATOR.join(parts), dtype=np.uint8).copy()  # noqa: E731
-    return Corpus(shards=[as_array(s) for s in shards], eval_bytes=as_array([d for _, d in eval_docs]))
+    return Corpus(
+        shards=[as_array(s) for s in shards],
+        eval_bytes=as_array([d for _, d in eval_docs]),
+        shard_docs=names,
+        eval_docs=[n for n, _ in eval_docs],
+    )
 
 
 class ShardSampler:

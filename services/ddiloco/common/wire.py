@@ -55,7 +55,8 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes):
         )
     except codec_mod.CodecError as exc:
         msg = str(exc)
-        lossy = msg.startswith(("checksum", "payload truncated", "payload is not valid", "decoded length"))
+        # corruption in transit is DATA_LOSS; a payload that contradicts its header is INVALID_ARGUMENT
+        lossy = msg.startswith(("checksum", "payload truncated", "payload is not valid"))
         raise Refused(grpc.StatusCode.DATA_LOSS if lossy else grpc.StatusCode.INVALID_ARGUMENT, msg) from exc
 
 

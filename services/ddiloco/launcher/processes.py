@@ -42,6 +42,7 @@ class Cluster:
     out: pathlib.Path
     procs: list[Proc] = field(default_factory=list)
     coordinator_address: str = ""
+    outer_address: str = ""
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Proc:
         log_dir = self.out / "logs"
@@ -99,6 +100,13 @@ class Cluster:
                 )
         except grpc.RpcError:
             return None
+
+    def registered_outer(self) -> str:
+        """The outer optimizer's address once it registered with the coordinator, else ''."""
+        m = self.membership()
+        if m is not None and m.outer_address:
+            self.outer_address = m.outer_address
+        return self.outer_address
 
     def failed(self) -> list[Proc]:
         return [p for p in self.procs if p.returncode() not in (None, 0)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from ddiloco.common.cliargs import apply_env_defaults
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ap = sub.add_parser("apply", help="shape a device to a datacenter's rate under a profile")
     ap.add_argument("--profile", dest="wan_profile", required=False, default=None,
                     help=f"one of: {', '.join(P.profile_names())}")
-    ap.add_argument("--datacenter", type=int, default=0, help="datacenter index (picks the rate in mixed profiles)")
+    ap.add_argument("--datacenter", type=datacenter_index, default=0,
+                    help="datacenter index, or a label ending in it such as dc2 (picks the rate in mixed profiles)")
     _dev_arguments(ap)
     ap.add_argument("--qdisc", dest="wan_qdisc", choices=tc.QDISCS, default="tbf", help="shaping qdisc")
     ap.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
@@ -45,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     pp = sub.add_parser("profiles", help="list the defined profiles")
     pp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def datacenter_index(text: str | int) -> int:
+    """``2``, ``"2"`` or ``"dc2"`` -> 2: learners are labelled dc<i>, tc wants the index."""
+    m = re.fullmatch(r"[A-Za-z_-]*([0-9]+)", str(text).strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"datacenter must be an index or a label ending in one (dc2), got {text!r}")
+    return int(m.group(1))
 
 
 def _dev_arguments(p: argparse.ArgumentParser) -> None:

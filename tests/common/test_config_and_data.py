@@ -1,0 +1,77 @@
+"""Typed configuration and the deterministic corpus split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddiloco.common.config import DataConfig, RunConfig
+from ddiloco.common.data import ShardSampler, eval_windows, load_corpus
+
+
+def test_run_config_survives_json_round_trip():
+    cfg = RunConfig(run_id="x", learners=3)
+    cfg.learner.codec = "int4"
+    cfg.outer.quorum = 2
+    back = RunConfig.from_json(cfg.to_json())
+    assert back == cfg
+
+
+def test_unknown_config_keys_are_refused():
+    with pytest.raises(ValueError, match="unknown"):
+        RunConfig.from_json('{"learnerz": 3}')
+
+
+def test_round_tokens_is_m_times_h_times_batch_tokens():
+    cfg = RunConfig(learners=4)
+    assert cfg.round_tokens() == 4 * cfg.learner.inner_steps * cfg.learner.batch_size * cfg.model.context
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(DataConfig(max_bytes=400_000), num_shards=3)
+
+
+def test_split_is_deterministic(corpus):
+    again = load_corpus(DataConfig(max_bytes=400_000), num_shards=3)
+    for a, b in zip(corpus.shards, again.shards):
+        assert np.array_equal(a, b)
+    assert np.array_equal(corpus.eval_bytes, again.eval_bytes)
+
+
+def test_every_shard_and_the_eval_set_hold_real_text(corpus):
+    assert len(corpus.shards) == 3
+    assert all(s.size > 50_000 for s in corpus.shards)
+    assert corpus.eval_bytes.size > 5_000
+    text = bytes(corpus.shards[0][:2000]).decode("utf-8", errors="replace")
+    assert " the " in text or "def " in text
+
+
+def test_eval_documents_are_held_out_from_every_shard(corpus):
+    trained = {name for docs in corpus.shard_docs for name in docs}
+    assert corpus.eval_docs and not trained & set(corpus.eval_docs)
+    # every shard gets its own documents: no document is trained on by two learners
+    assert sum(len(d) for d in corpus.shard_docs) == len(trained)
+
+
+def test_sampler_batches_are_a_pure_function_of_their_index(corpus):
+    a = ShardSampler(corpus.shards[1], context=32, batch_size=4, seed=7)
+    b = ShardSampler(corpus.shards[1], context=32, batch_size=4, seed=7)
+    for i in (0, 5, 1000):
+        xa, ya = a.batch(i)
+        xb, yb = b.batch(i)
+        assert np.array_equal(xa.numpy(), xb.numpy())
+        assert np.array_equal(xa[:, 1:].numpy(), ya[:, :-1].numpy())  # targets are inputs shifted by one
+
+
+def test_user_text_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world " * 5000)
+    (tmp_path / "b.txt").write_text("other text " * 5000)
+    c = load_corpus(DataConfig(path=str(tmp_path)), num_shards=2)
+    assert all(s.size > 0 for s in c.shards) and c.eval_bytes.size > 0
+    assert eval_windows(c.eval_bytes, 16, 8).shape == (8, 17)
+
+
+def test_missing_user_text_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_corpus(DataConfig(path=str(tmp_path / "nope")), 2)

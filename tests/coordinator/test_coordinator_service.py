@@ -1,0 +1,111 @@
+"""The coordinator over real sockets: ids and shards, leases, rejoin, health, reflection."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.rpc import channel
+from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    from conftest import TINY_RUN, wait_serving
+
+    from ddiloco.launcher.processes import Cluster
+
+    cluster = Cluster(tmp_path)
+    cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600", "--lease-timeout", "1.5"])
+    wait_serving(cluster.coordinator_address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+    yield cluster, stub
+    cluster.stop_all()
+
+
+def register(stub, requested=-1, run_id=""):
+    return stub.Register(coordinator_pb2.RegisterRequest(address="x:1", requested_learner_id=requested, run_id=run_id), timeout=5)
+
+
+def test_learners_wait_until_the_outer_optimizer_is_known(coordinator):
+    _, stub = coordinator
+    with pytest.raises(grpc.RpcError) as info:
+        register(stub)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "outer optimizer" in info.value.details()
+
+
+def test_ids_and_shards_are_assigned_and_config_is_served(coordinator):
+    _, stub = coordinator
+    stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
+    got = [register(stub) for _ in range(4)]
+    assert [r.learner_id for r in got] == [0, 1, 2, 3]
+    assert [r.shard_index for r in got] == [0, 1, 2, 0]  # shards wrap beyond M=3
+    cfg = RunConfig.from_json(got[0].config_json)
+    assert cfg.learners == 3 and cfg.model.d_model == 64
+    assert got[0].outer_address == "127.0.0.1:9"
+    m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
+    assert m.state == coordinator_pb2.RUN_STATE_RUNNING
+    assert [x.alive for x in m.members] == [True] * 4
+
+
+def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(coordinator):
+    from conftest import wait_until
+
+    _, stub = coordinator
+    stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
+    a, b = register(stub), register(stub)
+
+    def b_dead_while_a_beats():
+        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=a.learner_id, stats=common_pb2.LearnerStats(tokens=10)), timeout=5)
+        m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
+        alive = {x.learner_id: x.alive for x in m.members}
+        return alive[a.learner_id] and not alive[b.learner_id]
+
+    wait_until(b_dead_while_a_beats, 20, "learner b's lease to expire", interval=0.3)
+    newcomer = register(stub)
+    assert newcomer.learner_id == b.learner_id and newcomer.shard_index == b.shard_index
+    again = register(stub, requested=a.learner_id)  # an explicit rejoin keeps its id
+    assert again.learner_id == a.learner_id
+    m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
+    assert {x.learner_id: x.incarnation for x in m.members}[a.learner_id] == 2
+
+
+def test_unknown_learner_heartbeat_and_wrong_run_are_refused(coordinator):
+    _, stub = coordinator
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=42), timeout=5)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
+    with pytest.raises(grpc.RpcError) as info:
+        register(stub, run_id="other")
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_reflection_lists_the_services(coordinator):
+    cluster, _ = coordinator
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel(cluster.coordinator_address))
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"ddiloco.v1.Coordinator", "grpc.health.v1.Health"} <= names
+
+
+def test_state_survives_a_coordinator_restart(coordinator):
+    """Membership is persisted: a new coordinator process on the same run folder knows
+    the learners and the outer optimizer."""
+    from conftest import TINY_RUN, wait_serving
+
+    cluster, stub = coordinator
+    stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
+    ids = [register(stub).learner_id for _ in range(2)]
+    cluster.stop_all()
+    cluster.procs.clear()
+    cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600"])
+    wait_serving(cluster.coordinator_address)
+    stub2 = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+    m = stub2.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
+    assert [x.learner_id for x in m.members] == ids
+    assert m.outer_address == "127.0.0.1:9"
+    assert m.state == coordinator_pb2.RUN_STATE_RUNNING

@@ -1,0 +1,78 @@
+"""The whole system: coordinator, outer optimizer and 3 learner processes train a real
+model on real text over gRPC, and the run leaves a complete report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+REPORT_KEYS = {
+    "initial_eval_loss", "final_eval_loss", "final_eval_accuracy", "tokens_trained", "outer_steps",
+    "bytes_uploaded", "bytes_downloaded", "wall_seconds", "model_parameters", "learners",
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from conftest import TINY_RUN
+
+    out = tmp_path_factory.mktemp("e2e")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "run", "--learners", "3", "--max-seconds", "25", "--out", str(out), "--quiet",
+         "--device", "cpu", *TINY_RUN],
+        capture_output=True, text=True, timeout=400,
+    )
+    return proc, out
+
+
+def test_run_exits_zero_and_prints_a_summary(finished_run):
+    proc, _ = finished_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| eval loss |" in proc.stdout
+
+
+def test_report_has_every_key_and_loss_went_down(finished_run):
+    _, out = finished_run
+    report = json.loads((out / "report.json").read_text())
+    assert REPORT_KEYS <= set(report)
+    assert report["final_eval_loss"] < report["initial_eval_loss"] - 0.5
+    assert 0 < report["final_eval_accuracy"] <= 1
+    assert report["outer_steps"] > 0 and report["tokens_trained"] > 0
+    assert report["bytes_uploaded"] > 0 and report["bytes_downloaded"] > 0
+
+
+def test_every_learner_trained_and_had_deltas_merged(finished_run):
+    _, out = finished_run
+    report = json.loads((out / "report.json").read_text())
+    learners = report["learners"]
+    assert len(learners) == 3
+    for lr in learners:
+        assert lr["tokens"] > 0 and lr["inner_steps"] > 0
+        assert lr["deltas_merged"] > 0, f"learner {lr['learner_id']} had nothing merged"
+        assert lr["deltas_sent"] >= lr["deltas_merged"]
+
+
+def test_run_folder_holds_config_and_an_event_log(finished_run):
+    _, out = finished_run
+    config = json.loads((out / "config.json").read_text())
+    assert config["learners"] == 3
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"merge", "eval", "window", "upload_acked", "pull", "finished"} <= kinds
+    versions = [e["version"] for e in events if e["event"] == "merge"]
+    assert versions == sorted(versions), "the global version only ever increases"
+
+
+def test_checkpoint_on_disk_is_loadable(finished_run):
+    from safetensors.torch import load_file
+
+    _, out = finished_run
+    ckpt_root = out / "outer" / "checkpoints"
+    latest = ckpt_root / (ckpt_root / "LATEST").read_text().strip()
+    tensors = load_file(str(latest / "global.safetensors"))
+    state = json.loads((latest / "state.json").read_text())
+    assert any(k.startswith("param/") for k in tensors) and any(k.startswith("momentum/") for k in tensors)
+    assert state["version"] == json.loads((out / "report.json").read_text())["global_version"]

@@ -1,0 +1,197 @@
+"""Every kind of bad delta is refused over a real gRPC connection with a precise status,
+and leaves the global parameters and version exactly as they were."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+import numpy as np
+import pytest
+import zstandard
+
+from ddiloco.common import codec
+from ddiloco.common.rpc import channel
+from ddiloco.common.transport import OuterClient
+from ddiloco.common.wire import payload_info, stream_messages
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
+
+# the fixture's run: M=2, H=5, batch 4, context 64 -> one round is 2560 tokens
+ROUND = 2 * 5 * 4 * 64
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    from conftest import TINY_RUN, wait_serving, wait_until
+
+    from ddiloco.launcher.processes import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("bad-input"))
+    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", "--run-id", "good-run"])
+    cluster.start_outer()
+    wait_until(cluster.registered_outer, 120, "outer registration")
+    wait_serving(cluster.outer_address)
+    coord = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+    ids = [coord.Register(coordinator_pb2.RegisterRequest(address="test", requested_learner_id=-1), timeout=5).learner_id for _ in range(2)]
+    yield cluster, ids
+    cluster.stop_all()
+
+
+class Probe:
+    def __init__(self, cluster, learner_id):
+        self.client = OuterClient(cluster.outer_address, "good-run", learner_id)
+        self.stub = outer_pb2_grpc.OuterOptimizerStub(channel(cluster.outer_address))
+        g = self.client.pull(-1, timeout=30)
+        self.specs = [(n, a.shape) for n, a in g.arrays]
+
+    def global_state(self):
+        """(version, sha256 of the served global parameters)."""
+        g = self.client.pull(-1, timeout=30)
+        blob = b"".join(a.tobytes() for _, a in g.arrays)
+        return g.version, hashlib.sha256(blob).hexdigest()
+
+    def delta(self, scale=1e-3, seed=0):
+        rng = np.random.default_rng(seed)
+        return [(n, (rng.normal(size=s) * scale).astype(np.float32)) for n, s in self.specs]
+
+    def header(self, enc, seq, learner_id, base_version=0, tokens=ROUND // 2, run_id="good-run"):
+        return outer_pb2.DeltaHeader(
+            run_id=run_id, learner_id=learner_id, base_version=base_version, tokens=tokens, inner_steps=5, seq=seq,
+            payload=payload_info(enc),
+        )
+
+    def push_raw(self, header, payload, chunk=1 << 16):
+        return self.stub.PushDelta(stream_messages(outer_pb2.DeltaChunk, header, payload, chunk), timeout=30)
+
+
+def refused(probe, fn, code, match):
+    before = probe.global_state()
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details()
+    assert probe.global_state() == before, "a refused delta changed the global parameters"
+
+
+@pytest.fixture(scope="module")
+def probe(system):
+    cluster, ids = system
+    p = Probe(cluster, ids[0])
+    # a valid delta is accepted and merged: the baseline every refusal is compared against
+    v0, _ = p.global_state()
+    enc = codec.encode(p.delta(), "int8", 64)
+    resp = p.push_raw(p.header(enc, 1, ids[0], base_version=v0), enc.payload)
+    assert resp.outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
+    from conftest import wait_until
+
+    wait_until(lambda: p.global_state()[0] > v0, 30, "the valid delta to merge")
+    p.ids = ids
+    p.seq = 2
+    return p
+
+
+def test_truncated_upload(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    refused(probe, lambda: probe.push_raw(header, enc.payload[:-100]), grpc.StatusCode.DATA_LOSS, "truncated")
+
+
+def test_checksum_mismatch(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    bad = bytearray(enc.payload)
+    bad[100] ^= 0x55
+    refused(probe, lambda: probe.push_raw(probe.header(enc, probe.seq, probe.ids[0]), bytes(bad)), grpc.StatusCode.DATA_LOSS, "checksum")
+
+
+def test_wrong_shape(probe):
+    arrays = probe.delta()
+    arrays[0] = (arrays[0][0], arrays[0][1][:-1])
+    enc = codec.encode(arrays, "int8", 64)
+    refused(probe, lambda: probe.push_raw(probe.header(enc, probe.seq, probe.ids[0]), enc.payload), grpc.StatusCode.INVALID_ARGUMENT, "shape")
+
+
+def test_wrong_dtype(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    header.payload.tensors[1].dtype = "float16"
+    refused(probe, lambda: probe.push_raw(header, enc.payload), grpc.StatusCode.INVALID_ARGUMENT, "dtype")
+
+
+def test_wrong_length(probe):
+    """A payload that decodes to fewer values than its (correct) tensor specs imply."""
+    arrays = probe.delta()
+    enc = codec.encode(arrays, "fp32")
+    short = zstandard.ZstdCompressor().compress(zstandard.ZstdDecompressor().decompress(enc.payload)[:-8])
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    header.payload.payload_bytes = len(short)
+    header.payload.sha256 = hashlib.sha256(short).hexdigest()
+    refused(probe, lambda: probe.push_raw(header, short), grpc.StatusCode.INVALID_ARGUMENT, "does not match")
+
+
+def test_nan_filled_delta(probe):
+    enc = codec.encode(probe.delta(), "fp32")
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(enc.payload))
+    raw[0:4] = np.array([np.nan], dtype="<f4").tobytes()
+    payload = zstandard.ZstdCompressor().compress(bytes(raw))
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    header.payload.payload_bytes = len(payload)
+    header.payload.sha256 = hashlib.sha256(payload).hexdigest()
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
+
+
+def test_unregistered_learner(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    refused(probe, lambda: probe.push_raw(probe.header(enc, 1, 99), enc.payload), grpc.StatusCode.PERMISSION_DENIED, "not registered")
+
+
+def test_other_run_id(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0], run_id="someone-else")
+    refused(probe, lambda: probe.push_raw(header, enc.payload), grpc.StatusCode.FAILED_PRECONDITION, "run")
+
+
+def test_repeated_sequence_number(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    refused(probe, lambda: probe.push_raw(probe.header(enc, 1, probe.ids[0]), enc.payload), grpc.StatusCode.ALREADY_EXISTS, "already accepted")
+
+
+def test_oversize_delta(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    header.payload.payload_bytes = 1 << 40
+    refused(probe, lambda: probe.push_raw(header, enc.payload), grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the limit")
+
+
+def test_more_bytes_than_declared(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0])
+    refused(probe, lambda: probe.push_raw(header, enc.payload + b"x" * 10), grpc.StatusCode.INVALID_ARGUMENT, "more than")
+
+
+def test_stream_without_header(probe):
+    refused(
+        probe, lambda: probe.stub.PushDelta(iter([outer_pb2.DeltaChunk(data=b"abc")]), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT, "no header",
+    )
+
+
+def test_base_version_from_the_future(probe):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0], base_version=10_000)
+    refused(probe, lambda: probe.push_raw(header, enc.payload), grpc.StatusCode.FAILED_PRECONDITION, "newer than")
+
+
+def test_stale_delta_beyond_the_bound(probe):
+    """Learner A merges five rounds of work; learner B's delta from version 0 is then 5
+    rounds behind (bound 4) and refused. A's own work never makes A's deltas stale."""
+    from conftest import wait_until
+
+    a, b = probe.ids
+    base = probe.global_state()[0]
+    for i in range(5):
+        enc = codec.encode(probe.delta(1e-4, seed=i), "int8", 64)
+        probe.push_raw(probe.header(enc, probe.seq, a, base_version=base, tokens=ROUND), enc.payload)
+        probe.seq += 1
+    wait_until(lambda: probe.global_state()[0] >= base + 5, 30, "five merges")
+    enc = codec.encode(probe.delta(), "int8", 64)
+    refused(probe, lambda: probe.push_raw(probe.header(enc, 1, b, base_version=base), enc.payload), grpc.StatusCode.FAILED_PRECONDITION, "stale")
