@@ -36,12 +36,14 @@ class Window:
     tokens: int
     inner_steps: int
     loss: float
+    compute_seconds: float = 0.0  # learner time spent computing this window, for goodput
 
     def absorb(self, later: "Window") -> None:
         self.arrays = [(n, a + b) for (n, a), (_, b) in zip(self.arrays, later.arrays)]
         total_steps = self.inner_steps + later.inner_steps
         self.loss = (self.loss * self.inner_steps + later.loss * later.inner_steps) / total_steps
         self.tokens += later.tokens
+        self.compute_seconds += later.compute_seconds
         self.inner_steps = total_steps
         # the base stays the earlier one: that is what the sum was computed against
 
@@ -54,6 +56,7 @@ class Uploader:
         stats: Stats,
         metrics: MetricsLog,
         first_seq: int,
+        learner_id: int = -1,
         on_ack: Callable[[int, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -62,6 +65,7 @@ class Uploader:
         self.metrics = metrics
         self.next_seq = first_seq
         self.on_ack = on_ack
+        self.learner_id = learner_id
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
         self.queue: collections.deque[Window] = collections.deque()
         self.cond = threading.Condition()
@@ -152,7 +156,10 @@ class Uploader:
                     delay = min(delay * 2, 5.0)
                     continue
                 log.warning("upload seq %d refused: %s %s", seq, code.name, exc.details())
-                self.metrics.event("upload_refused", seq=seq, code=code.name, reason=exc.details())
+                self.metrics.event(
+                    "upload_refused", learner=self.learner_id, seq=seq, code=code.name, reason=exc.details(),
+                    tokens=window.tokens, compute_seconds=round(window.compute_seconds, 4),
+                )
                 return
             self._acked(seq, window, enc, duplicate=False, version=resp.global_version)
             return
@@ -161,7 +168,9 @@ class Uploader:
         self.stats.add(deltas_acked=1, bytes_uploaded=len(enc.payload))
         self.metrics.event(
             "upload_acked",
+            learner=self.learner_id,
             seq=seq,
+            compute_seconds=round(window.compute_seconds, 4),
             base_version=window.base_version,
             tokens=window.tokens,
             bytes=len(enc.payload),

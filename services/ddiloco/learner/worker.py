@@ -190,7 +190,7 @@ class Learner:
                 p.copy_(torch.from_numpy(a).to(self.device))
         self.anchor = [p.detach().clone() for p in self.params]
         self.version = got.version
-        self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq)
+        self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq, self.learner_id)
         self.metrics.event(
             "learner_start",
             learner=self.learner_id,
@@ -219,6 +219,7 @@ class Learner:
         lcfg = self.config.learner
         window_steps = 0
         window_loss = 0.0
+        window_compute = 0.0
         start = time.monotonic()
         step = 0
         while not self.drain.is_set():
@@ -245,26 +246,27 @@ class Learner:
             self.batch_index += 1
             window_steps += 1
             window_loss += loss_value
+            window_compute += dt
             self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             if window_steps == self.inner_steps:
-                self._end_window(window_steps, window_loss / window_steps)
-                window_steps, window_loss = 0, 0.0
+                self._end_window(window_steps, window_loss / window_steps, window_compute)
+                window_steps, window_loss, window_compute = 0, 0.0, 0.0
                 if lcfg.sync:
                     self._wait_for_merge()
         if window_steps:
-            self._end_window(window_steps, window_loss / window_steps)
+            self._end_window(window_steps, window_loss / window_steps, window_compute)
         self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
-    def _end_window(self, steps: int, mean_loss: float) -> None:
+    def _end_window(self, steps: int, mean_loss: float, compute_seconds: float) -> None:
         arrays = [(n, (a - p).float().cpu().numpy()) for n, a, p in zip(self.names, self.anchor, self.params)]
         for a, p in zip(self.anchor, self.params):
             a.copy_(p)
-        self.uploader.submit(Window(arrays, self.version, steps * self.tokens_per_step, steps, mean_loss))
+        self.uploader.submit(Window(arrays, self.version, steps * self.tokens_per_step, steps, mean_loss, compute_seconds))
         self.metrics.event(
             "window", learner=self.learner_id, steps=steps, loss=round(mean_loss, 5), base_version=self.version,
-            queued=self.uploader.pending(),
+            queued=self.uploader.pending(), compute_seconds=round(compute_seconds, 4),
         )
 
     def _wait_for_merge(self) -> None:
