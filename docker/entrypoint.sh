@@ -21,6 +21,9 @@ case "${1:-}" in
     coordinator | outer | learner | health | run | wan | simulate | chaos | netns) role=$1 ;;
     *) exec "$@" ;; # a plain command: a shell, or `cat` of a report
 esac
+for arg in "$@"; do
+    case "$arg" in -h | --help) exec ddiloco "$@" ;; esac
+done
 
 if [ -n "${DDILOCO_TASK_SLOT:-}" ] && [ -z "${DDILOCO_DATACENTER:-}" ]; then
     DDILOCO_DATACENTER=$((DDILOCO_TASK_SLOT - 1))
@@ -29,7 +32,8 @@ fi
 
 if [ "$role" = learner ] && [ -z "${DDILOCO_ADVERTISE:-}" ]; then
     # Replicas of one service share its DNS name; each must advertise its own address.
-    DDILOCO_ADVERTISE="$(hostname -i | awk '{print $1}'):${DDILOCO_BIND##*:}"
+    bind=${DDILOCO_BIND:-0.0.0.0:50060}
+    DDILOCO_ADVERTISE="$(hostname -i | awk '{print $1}'):${bind##*:}"
     export DDILOCO_ADVERTISE
 fi
 

@@ -5,15 +5,18 @@
     ddiloco wan show --dev eth0 [--json]
     ddiloco wan profiles [--json]
 
-Like every ddiloco flag, these also come from the environment: DDILOCO_WAN_PROFILE,
-DDILOCO_DATACENTER (shared with ``ddiloco learner``), DDILOCO_WAN_DEV, DDILOCO_WAN_TOWARDS,
-DDILOCO_WAN_QDISC. The Docker learner entrypoint relies on that.
+Like every ddiloco flag, these also come from the environment, as DDILOCO_<FLAG>; the
+WAN-prefixed names DDILOCO_WAN_PROFILE, DDILOCO_WAN_DEV, DDILOCO_WAN_TOWARDS and
+DDILOCO_WAN_QDISC win over those, because a container's environment also configures the
+learner, where a bare DDILOCO_PROFILE or DDILOCO_DEV would be ambiguous. DDILOCO_DATACENTER
+is shared with ``ddiloco learner``. The Docker learner entrypoint relies on these.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -27,26 +30,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.required = True
 
     ap = sub.add_parser("apply", help="shape a device to a datacenter's rate under a profile")
-    ap.add_argument("--profile", dest="wan_profile", required=False, default=None,
+    ap.add_argument("--profile", dest="wan_profile", default=None,
                     help=f"one of: {', '.join(P.profile_names())}")
     ap.add_argument("--datacenter", type=datacenter_index, default=0,
                     help="datacenter index, or a label ending in it such as dc2 (picks the rate in mixed profiles)")
     _dev_arguments(ap)
     ap.add_argument("--qdisc", dest="wan_qdisc", choices=tc.QDISCS, default="tbf", help="shaping qdisc")
     ap.add_argument("--dry-run", action="store_true", help="print what would be done, change nothing")
-    apply_env_defaults(ap)
+    _env_defaults(ap)
 
     sp = sub.add_parser("show", help="read back the egress limit on a device")
     _dev_arguments(sp)
     sp.add_argument("--json", action="store_true", help="print one JSON object")
-    apply_env_defaults(sp)
+    _env_defaults(sp)
 
     cp = sub.add_parser("clear", help="remove any shaping from a device")
     _dev_arguments(cp)
-    apply_env_defaults(cp)
+    _env_defaults(cp)
 
     pp = sub.add_parser("profiles", help="list the defined profiles")
     pp.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    apply_env_defaults(p)
+    for action in p._actions:  # argparse offers no public iterator over actions
+        if action.dest.startswith("wan_"):
+            value = os.environ.get("DDILOCO_" + action.dest.upper())
+            if value is not None:
+                action.default = action.type(value) if action.type else value
 
 
 def datacenter_index(text: str | int) -> int:
