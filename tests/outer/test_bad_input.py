@@ -41,12 +41,12 @@ class Probe:
     def __init__(self, cluster, learner_id):
         self.client = OuterClient(cluster.outer_address, "good-run", learner_id)
         self.stub = outer_pb2_grpc.OuterOptimizerStub(channel(cluster.outer_address))
-        g = self.client.pull(-1, timeout=30)
+        g = self.client.pull(0, -1, timeout=30)
         self.specs = [(n, a.shape) for n, a in g.arrays]
 
     def global_state(self):
         """(version, sha256 of the served global parameters)."""
-        g = self.client.pull(-1, timeout=30)
+        g = self.client.pull(0, -1, timeout=30)
         blob = b"".join(a.tobytes() for _, a in g.arrays)
         return g.version, hashlib.sha256(blob).hexdigest()
 

@@ -66,6 +66,9 @@ class LearnerConfig:
     # restart from them exactly. Off for Decoupled DiLoCo.
     sync: bool = False
     pull_poll_s: float = 0.5
+    # Dynamic local updates: a learner slower than its peers syncs after proportionally fewer
+    # steps, so every learner sends at about the same wall-clock rate.
+    dynamic_local_updates: bool = False
 
 
 @dataclass
@@ -75,7 +78,13 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
-    quorum: int = 1  # K: merge as soon as this many deltas are pending
+    quorum: int = 1  # K: a fragment merges once this many learners' deltas are pending
+    merge_rule: str = "weighted"  # weighted (tokens x tokens/step) | mean | rda
+    # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
+    # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
+    overlap_steps: int = 2
+    grace_gamma: float = 0.5
+    max_grace_s: float = 5.0
     # A delta is discounted once more than one round of other work was merged after its base
     # version, and refused beyond this many rounds (see ddiloco.common.merge).
     max_staleness_rounds: float = 4.0
@@ -88,6 +97,7 @@ class OuterConfig:
 class RunConfig:
     run_id: str = "run"
     learners: int = 4  # M: the number of learners (and data shards) the run is planned for
+    fragments: int = 1  # P: parameter fragments, each synced on its own staggered schedule
     max_seconds: float = 180.0  # training budget, from the moment the first learner joins
     max_tokens: int = 0  # 0: no token budget
     seed: int = 0

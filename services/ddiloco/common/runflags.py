@@ -26,7 +26,10 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--block-size", "learner.block_size", int, "quantization block size"),
     ("--outer-lr", "outer.lr", float, "outer SGD learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
-    ("--quorum", "outer.quorum", int, "K: deltas needed before a merge"),
+    ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges"),
+    ("--fragments", "fragments", int, "P: parameter fragments, synced on staggered schedules"),
+    ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
+    ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),
     ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),
     ("--checkpoint-every", "outer.checkpoint_every", int, "merges between checkpoints"),
     ("--eval-interval", "outer.eval_interval_s", float, "seconds between evaluations of the global model"),
@@ -39,6 +42,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", type=pathlib.Path, default=None, help="start from this RunConfig JSON")
     group.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
     group.add_argument("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
+    group.add_argument(
+        "--dynamic-local-updates", action="store_true", default=None,
+        help="slower learners sync after proportionally fewer inner steps",
+    )
     for flag, dest, typ, help_ in _FLAGS:
         group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_)
 
@@ -49,6 +56,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.model = copy.deepcopy(MODEL_PRESETS[args.model])
     if args.sync:
         cfg.learner.sync = True
+    if args.dynamic_local_updates:
+        cfg.learner.dynamic_local_updates = True
     for _, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is None:
@@ -60,6 +69,12 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         setattr(target, leaf, value)
     if cfg.learner.codec not in CODECS:
         raise SystemExit(f"--codec must be one of {CODECS}, got {cfg.learner.codec!r}")
+    from ddiloco.common.merge import MERGE_RULES
+
+    if cfg.outer.merge_rule not in MERGE_RULES:
+        raise SystemExit(f"--merge-rule must be one of {MERGE_RULES}, got {cfg.outer.merge_rule!r}")
+    if cfg.fragments < 1:
+        raise SystemExit("--fragments must be at least 1")
     if cfg.learners < 1:
         raise SystemExit("--learners must be at least 1")
     return cfg
@@ -74,6 +89,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--model", args.model]
     if args.sync:
         out += ["--sync"]
+    if args.dynamic_local_updates:
+        out += ["--dynamic-local-updates"]
     for flag, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is not None:

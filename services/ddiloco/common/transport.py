@@ -16,8 +16,13 @@ from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 @dataclass
 class GlobalParams:
+    """One fragment of the global parameters as received: the full fragment when
+    ``base_version`` is -1, else the change since the learner's copy at ``base_version``."""
+
+    fragment: int
     version: int
-    tokens_merged: int  # tokens merged into this version, the clock of staleness
+    tokens_merged: int  # tokens merged into this fragment version: the clock of staleness
+    base_version: int
     arrays: list[tuple[str, np.ndarray]]
     nbytes: int
 
@@ -35,7 +40,17 @@ class OuterClient:
         self._channel.close()
 
     def push(
-        self, enc: codec.Encoded, *, seq: int, base_version: int, tokens: int, inner_steps: int, loss: float, timeout: float
+        self,
+        enc: codec.Encoded,
+        *,
+        seq: int,
+        base_version: int,
+        tokens: int,
+        inner_steps: int,
+        loss: float,
+        timeout: float,
+        fragment: int = 0,
+        compute_seconds: float = 0.0,
     ) -> outer_pb2.PushDeltaResponse:
         header = outer_pb2.DeltaHeader(
             run_id=self.run_id,
@@ -46,17 +61,24 @@ class OuterClient:
             seq=seq,
             payload=payload_info(enc),
             loss=loss,
+            fragment=fragment,
+            compute_seconds=compute_seconds,
         )
         messages = stream_messages(outer_pb2.DeltaChunk, header, enc.payload, self.chunk_bytes)
         return self._stub.PushDelta(messages, timeout=timeout)
 
-    def pull(self, have_version: int, timeout: float) -> "GlobalParams":
+    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
         stream = self._stub.PullGlobal(
-            outer_pb2.PullGlobalRequest(run_id=self.run_id, learner_id=self.learner_id, have_version=have_version),
+            outer_pb2.PullGlobalRequest(
+                run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment
+            ),
             timeout=timeout,
         )
         header, payload = reassemble(stream, 1 << 34, "global parameters")
-        return GlobalParams(header.version, header.tokens_merged, decode_payload(header.payload, payload), len(payload))
+        return GlobalParams(
+            header.fragment, header.version, header.tokens_merged, header.base_version,
+            decode_payload(header.payload, payload), len(payload),
+        )
 
     def status(self, timeout: float = 3.0) -> outer_pb2.OuterStatus:
         return self._stub.GetStatus(outer_pb2.StatusRequest(), timeout=timeout)

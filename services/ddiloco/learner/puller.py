@@ -1,18 +1,25 @@
-"""Background download of new global parameters.
+"""Background download of new global parameters, fragment by fragment.
 
-It watches the outer optimizer's status and pulls the global parameters when they hold
-something new for this learner: its own latest delta was merged, or at least one round of
-other learners' work was merged since its current version (so a learner whose deltas are
-refused as stale still catches up). The worker folds what arrives at its next step.
+It watches the outer optimizer's status and pulls a fragment when it holds something new
+for this learner: its own latest delta of that fragment was merged, or at least one round
+of other learners' work was merged into it since the learner's copy (so a learner whose
+deltas are refused as stale still catches up).
+
+Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads``); the
+puller keeps that copy per fragment, applies each change to it exactly as the outer
+optimizer does, and hands the updated copy to the worker, which folds it in at its next
+step boundary.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
+import numpy as np
 
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.transport import GlobalParams, OuterClient
@@ -21,11 +28,20 @@ from ddiloco.learner.stats import Stats
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class FragmentCopy:
+    version: int = -1
+    tokens_merged: int = 0
+    merged_mine: int = -1
+    arrays: list[tuple[str, np.ndarray]] | None = None
+
+
 class Puller:
     def __init__(
         self,
         client_factory: Callable[[], OuterClient],
         learner_id: int,
+        fragments: int,
         round_tokens: int,
         poll_s: float,
         stats: Stats,
@@ -37,22 +53,20 @@ class Puller:
         self.poll_s = poll_s
         self.stats = stats
         self.metrics = metrics
-        self.have_version = -1
-        self.tokens_at_have = 0
-        self.merged_at_have = -1
-        self._incoming: GlobalParams | None = None
+        self.copies = [FragmentCopy() for _ in range(fragments)]
+        self._incoming: dict[int, FragmentCopy] = {}
         self._lock = threading.Lock()
         self.arrived = threading.Event()
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="puller", daemon=True)
 
-    def pull_now(self, timeout: float = 120.0) -> GlobalParams:
-        """Blocking pull, used at start-up."""
+    def pull_all(self, timeout: float = 300.0) -> list[FragmentCopy]:
+        """Blocking download of every fragment, used at start-up."""
         client = self.client_factory()
         status = client.status()
-        got = client.pull(self.have_version, timeout=timeout)
-        self._record(got, self._my_merged(status))
-        return got
+        for f in range(len(self.copies)):
+            self._apply(client.pull(f, self.copies[f].version, timeout=timeout), self._mine(status, f))
+        return list(self.copies)
 
     def start(self) -> None:
         self.thread.start()
@@ -60,46 +74,62 @@ class Puller:
     def stop(self) -> None:
         self.stop_event.set()
 
-    def take(self) -> GlobalParams | None:
+    def take(self) -> dict[int, FragmentCopy]:
+        """Fragments that arrived since the last call (newest copy of each)."""
         with self._lock:
-            item, self._incoming = self._incoming, None
+            items, self._incoming = self._incoming, {}
             self.arrived.clear()
-            return item
+            return items
 
-    def _record(self, got: GlobalParams, merged: int) -> None:
-        self.have_version = got.version
-        self.tokens_at_have = got.tokens_merged
-        self.merged_at_have = merged
+    def _apply(self, got: GlobalParams, merged_mine: int) -> FragmentCopy:
+        old = self.copies[got.fragment]
+        if got.base_version < 0:
+            arrays = got.arrays
+        elif old.arrays is not None and got.base_version == old.version:
+            arrays = [(n, a + d) for (n, a), (_, d) in zip(old.arrays, got.arrays)]
+        else:  # cannot happen with a well-behaved server; refuse rather than corrupt the copy
+            raise RuntimeError(
+                f"fragment {got.fragment}: change is based on version {got.base_version}, the copy is {old.version}"
+            )
+        copy = FragmentCopy(got.version, got.tokens_merged, merged_mine, arrays)
+        self.copies[got.fragment] = copy
         self.stats.add(bytes_downloaded=got.nbytes, pulls=1)
-        self.stats.set(global_version=got.version)
-        self.metrics.event("pull", learner=self.learner_id, version=got.version, bytes=got.nbytes)
+        self.stats.set(global_version=sum(max(c.version, 0) for c in self.copies))
+        self.metrics.event(
+            "pull", learner=self.learner_id, fragment=got.fragment, version=got.version, bytes=got.nbytes,
+            full=got.base_version < 0,
+        )
+        return copy
 
-    def _my_merged(self, status) -> int:
-        for rec in status.learners:
-            if rec.learner_id == self.learner_id:
-                return rec.deltas_merged
+    def _mine(self, status, fragment: int) -> int:
+        for fs in status.fragments:
+            if fs.fragment == fragment:
+                return fs.merged_by_learner.get(self.learner_id, 0)
         return 0
 
-    def _wanted(self, status) -> bool:
-        if status.version <= self.have_version:
-            return False
-        own_merged = self._my_merged(status) > self.merged_at_have
-        behind = status.tokens_merged - self.tokens_at_have >= self.round_tokens
-        return own_merged or behind
+    def _wanted(self, status) -> list[int]:
+        out = []
+        for fs in status.fragments:
+            copy = self.copies[fs.fragment]
+            if fs.version <= copy.version:
+                continue
+            own_merged = fs.merged_by_learner.get(self.learner_id, 0) > copy.merged_mine
+            behind = fs.tokens_merged - copy.tokens_merged >= self.round_tokens
+            if own_merged or behind:
+                out.append(fs.fragment)
+        return out
 
     def _loop(self) -> None:
         while not self.stop_event.wait(self.poll_s):
             try:
                 client = self.client_factory()
                 status = client.status()
-                if not self._wanted(status):
-                    continue
-                got = client.pull(self.have_version, timeout=300)
+                for fragment in self._wanted(status):
+                    got = client.pull(fragment, self.copies[fragment].version, timeout=300)
+                    # merged count read before the pull: the pulled version holds at least that much
+                    copy = self._apply(got, self._mine(status, fragment))
+                    with self._lock:
+                        self._incoming[fragment] = copy
+                        self.arrived.set()
             except grpc.RpcError as exc:
                 log.debug("pull: %s", exc.code().name)
-                continue
-            # merged count read before the pull: the pulled version holds at least that much
-            self._record(got, self._my_merged(status))
-            with self._lock:
-                self._incoming = got
-                self.arrived.set()

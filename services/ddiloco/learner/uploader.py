@@ -37,6 +37,7 @@ class Window:
     inner_steps: int
     loss: float
     compute_seconds: float = 0.0  # learner time spent computing this window, for goodput
+    fragment: int = 0
 
     def absorb(self, later: "Window") -> None:
         self.arrays = [(n, a + b) for (n, a), (_, b) in zip(self.arrays, later.arrays)]
@@ -109,8 +110,14 @@ class Uploader:
                 if self.stop_event.is_set():
                     return
                 window = self.queue.popleft()
-                while self.queue:
-                    window.absorb(self.queue.popleft())
+                # later windows of the same fragment fold into this one; others keep their order
+                rest = collections.deque()
+                for later in self.queue:
+                    if later.fragment == window.fragment:
+                        window.absorb(later)
+                    else:
+                        rest.append(later)
+                self.queue = rest
                 self.busy = True
             try:
                 self._send(window)
@@ -142,6 +149,8 @@ class Uploader:
                     tokens=window.tokens,
                     inner_steps=window.inner_steps,
                     loss=window.loss,
+                    fragment=window.fragment,
+                    compute_seconds=window.compute_seconds,
                     timeout=60 + len(enc.payload) / 1e5,  # generous for slow links: 100 kB/s floor
                 )
             except grpc.RpcError as exc:
@@ -170,6 +179,7 @@ class Uploader:
             "upload_acked",
             learner=self.learner_id,
             seq=seq,
+            fragment=window.fragment,
             compute_seconds=round(window.compute_seconds, 4),
             base_version=window.base_version,
             tokens=window.tokens,

@@ -2,18 +2,23 @@
 
 The rule for folding new global parameters into local state
 -----------------------------------------------------------
-The learner keeps an *anchor*: the point its current window is measured from. At the end
-of every window of H steps it queues ``anchor - params`` for upload and moves the anchor to
-``params``; so ``anchor - params`` is always the work not yet sent. When a newer global
-version G arrives (pulled in the background), at the next step boundary::
+The parameters are split into P fragments (``ddiloco.common.fragments``), each with its own
+window of H steps, staggered. For each fragment the learner keeps an *anchor*: the point its
+current window is measured from. When a fragment's window ends it queues
+``anchor - params`` (that fragment's tensors) for upload and moves the anchor to
+``params``; so ``anchor - params`` is always the work not yet sent. Training goes straight
+on (the overlap). When a newer version G of a fragment arrives (pulled in the background),
+at the next step boundary::
 
     params <- G + (params - anchor)     # keep the unsent work, re-based onto G
     anchor <- G
 
 Nothing is trained twice and nothing is lost: sent work reaches the model through the outer
 optimizer, unsent work stays local and is sent in the next window. The AdamW state is kept.
-In synchronous mode (``LearnerConfig.sync``) the learner waits after each upload until the
-merged version arrives; the unsent work is then zero, so it restarts exactly from G.
+Unlike Streaming DiLoCo's fixed mixing weight, this needs no tuning and does not discard
+the steps taken while the fragment was in flight. In synchronous mode
+(``LearnerConfig.sync``) the learner waits after each upload until the merged version
+arrives; the unsent work is then zero, so it restarts exactly from G.
 
 Where a restarted learner resumes
 ---------------------------------
@@ -36,11 +41,12 @@ import torch
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import ShardSampler, load_corpus
+from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model
 from ddiloco.common.rpc import Server, call_with_retry, channel
-from ddiloco.common.transport import GlobalParams, OuterClient
-from ddiloco.learner.puller import Puller
+from ddiloco.common.transport import OuterClient
+from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
@@ -179,23 +185,26 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lcfg.lr, weight_decay=lcfg.weight_decay, betas=(0.9, 0.95)
         )
-        self.puller = Puller(self.client, self.learner_id, cfg.round_tokens(), lcfg.pull_poll_s, self.stats, self.metrics)
+        self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
+        self.puller = Puller(
+            self.client, self.learner_id, cfg.fragments, cfg.round_tokens(), lcfg.pull_poll_s, self.stats, self.metrics
+        )
         status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
         self.batch_index = (mine.tokens_accepted // self.tokens_per_step) if mine else 0
         first_seq = (mine.last_seq + 1) if mine else 1
-        got = call_with_retry(lambda: self.puller.pull_now(), what="initial pull", max_elapsed=300, stop=self.drain)
-        with torch.no_grad():
-            for p, (_, a) in zip(self.params, got.arrays):
-                p.copy_(torch.from_numpy(a).to(self.device))
+        copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
-        self.version = got.version
+        self.versions = [-1] * cfg.fragments
+        for f, copy in enumerate(copies):
+            self._fold(f, copy)
+        self.model.train()
         self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq, self.learner_id)
         self.metrics.event(
             "learner_start",
             learner=self.learner_id,
             shard=self.shard_index,
-            version=self.version,
+            versions=self.versions,
             batch_index=self.batch_index,
             first_seq=first_seq,
             device=str(self.device),
@@ -204,12 +213,14 @@ class Learner:
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
-    def _fold(self, got: GlobalParams) -> None:
-        for p, a, (_, g) in zip(self.params, self.anchor, got.arrays):
+    def _fold(self, fragment: int, copy: FragmentCopy) -> None:
+        """params <- G + (params - anchor); anchor <- G, for one fragment's tensors."""
+        assert copy.arrays is not None
+        for i, (_, g) in zip(self.fragments[fragment], copy.arrays):
             g_t = torch.from_numpy(g).to(self.device)
-            p.add_(g_t - a)
-            a.copy_(g_t)
-        self.version = got.version
+            self.params[i].add_(g_t - self.anchor[i])
+            self.anchor[i].copy_(g_t)
+        self.versions[fragment] = copy.version
 
     def _lr(self, step: int) -> float:
         warm = self.config.learner.warmup_steps
@@ -217,15 +228,19 @@ class Learner:
 
     def _train(self) -> None:
         lcfg = self.config.learner
-        window_steps = 0
-        window_loss = 0.0
-        window_compute = 0.0
+        nfrag = len(self.fragments)
+        # per fragment: steps, summed loss and compute seconds since its last upload, and
+        # the step at which its current window ends
+        win_steps = [0] * nfrag
+        win_loss = [0.0] * nfrag
+        win_compute = [0.0] * nfrag
+        next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
         start = time.monotonic()
         step = 0
         while not self.drain.is_set():
-            got = self.puller.take()
-            if got is not None and got.version > self.version:
-                self._fold(got)
+            for f, copy in self.puller.take().items():
+                if copy.version > self.versions[f]:
+                    self._fold(f, copy)
             t0 = time.perf_counter()
             x, y = self.sampler.batch(self.batch_index)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -244,29 +259,35 @@ class Learner:
                 dt = time.perf_counter() - t0
             step += 1
             self.batch_index += 1
-            window_steps += 1
-            window_loss += loss_value
-            window_compute += dt
             self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
-            if window_steps == self.inner_steps:
-                self._end_window(window_steps, window_loss / window_steps, window_compute)
-                window_steps, window_loss, window_compute = 0, 0.0, 0.0
-                if lcfg.sync:
-                    self._wait_for_merge()
-        if window_steps:
-            self._end_window(window_steps, window_loss / window_steps, window_compute)
+            for f in range(nfrag):
+                win_steps[f] += 1
+                win_loss[f] += loss_value
+                win_compute[f] += dt
+                if step >= next_due[f]:
+                    self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
+                    win_steps[f], win_loss[f], win_compute[f] = 0, 0.0, 0.0
+                    next_due[f] = step + self.inner_steps
+                    if lcfg.sync:
+                        self._wait_for_merge()
+        for f in range(nfrag):
+            if win_steps[f]:
+                self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
         self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
-    def _end_window(self, steps: int, mean_loss: float, compute_seconds: float) -> None:
-        arrays = [(n, (a - p).float().cpu().numpy()) for n, a, p in zip(self.names, self.anchor, self.params)]
-        for a, p in zip(self.anchor, self.params):
-            a.copy_(p)
-        self.uploader.submit(Window(arrays, self.version, steps * self.tokens_per_step, steps, mean_loss, compute_seconds))
+    def _end_window(self, fragment: int, steps: int, mean_loss: float, compute_seconds: float) -> None:
+        ids = self.fragments[fragment]
+        arrays = [(self.names[i], (self.anchor[i] - self.params[i]).float().cpu().numpy()) for i in ids]
+        for i in ids:
+            self.anchor[i].copy_(self.params[i])
+        self.uploader.submit(
+            Window(arrays, self.versions[fragment], steps * self.tokens_per_step, steps, mean_loss, compute_seconds, fragment)
+        )
         self.metrics.event(
-            "window", learner=self.learner_id, steps=steps, loss=round(mean_loss, 5), base_version=self.version,
-            queued=self.uploader.pending(), compute_seconds=round(compute_seconds, 4),
+            "window", learner=self.learner_id, fragment=fragment, steps=steps, loss=round(mean_loss, 5),
+            base_version=self.versions[fragment], queued=self.uploader.pending(), compute_seconds=round(compute_seconds, 4),
         )
 
     def _wait_for_merge(self) -> None:

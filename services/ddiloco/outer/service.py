@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from ddiloco.common import codec
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import eval_windows, load_corpus
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
+from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.state import OuterState
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
@@ -34,12 +34,45 @@ class OuterOptions:
     exit_when_finished: bool = False
 
 
+class SyncTiming:
+    """Running estimates behind the adaptive grace window (exponential moving averages)."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.step_s: float | None = None
+        self.push_s = 0.0
+        self.merge_s = 0.0
+        self._lock = threading.Lock()
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_push(self, seconds: float, header) -> None:
+        with self._lock:
+            self.push_s = self._ema(self.push_s, seconds)
+            if header.compute_seconds > 0 and header.inner_steps > 0:
+                self.step_s = self._ema(self.step_s, header.compute_seconds / header.inner_steps)
+
+    def observe_merge(self, seconds: float) -> None:
+        with self._lock:
+            self.merge_s = self._ema(self.merge_s, seconds)
+
+    def grace_s(self, overlap_steps: int, gamma: float, cap: float) -> float:
+        """gamma x slack, slack = overlap x step time - (upload + merge time); 0 until known."""
+        with self._lock:
+            if self.step_s is None:
+                return 0.0
+            slack = overlap_steps * self.step_s - (self.push_s + self.merge_s)
+            return min(cap, max(0.0, gamma * slack))
+
+
 class KnownLearners:
     """Which learner ids the coordinator has registered, refreshed on a miss."""
 
     def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
         self._stub = stub
         self._ids: set[int] = set()
+        self._live: int | None = None
         self._lock = threading.Lock()
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
 
@@ -47,7 +80,13 @@ class KnownLearners:
         resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
         with self._lock:
             self._ids = {m.learner_id for m in resp.members}
+            self._live = sum(1 for m in resp.members if m.alive)
             self.last_state = resp.state
+
+    def live_count(self, default: int) -> int:
+        """Learners holding a lease; the planned M until the coordinator has answered."""
+        with self._lock:
+            return default if self._live is None else self._live
 
     def check(self, learner_id: int) -> None:
         with self._lock:
@@ -99,11 +138,13 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def PushDelta(self, request_iterator, context):
         svc = self.svc
+        t0 = time.monotonic()
         try:
             header, payload = reassemble(request_iterator, svc.config.outer.max_delta_bytes, "delta")
             if header.run_id == svc.config.run_id:
                 svc.known.check(header.learner_id)
             version, discount = svc.state.accept(header, payload)
+            svc.timing.observe_push(time.monotonic() - t0, header)
         except Refused as exc:
             svc.metrics.event("delta_refused", code=exc.code.name, reason=exc.message)
             context.abort(exc.code, exc.message)
@@ -111,6 +152,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             "delta_accepted",
             learner=header.learner_id,
             seq=header.seq,
+            fragment=header.fragment,
             base_version=header.base_version,
             tokens=header.tokens,
             bytes=len(payload),
@@ -122,8 +164,14 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         if request.run_id and request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
-        version, tokens_merged, enc = svc.published()
-        header = outer_pb2.GlobalHeader(version=version, payload=payload_info(enc), tokens_merged=tokens_merged)
+        if not 0 <= request.fragment < len(svc.state.fragments):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {request.fragment} does not exist")
+        version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
+        enc, base = svc.downloads.encode_for(request.learner_id, request.fragment, request.have_version, version, arrays)
+        header = outer_pb2.GlobalHeader(
+            version=version, payload=payload_info(enc), tokens_merged=tokens_merged, fragment=request.fragment,
+            base_version=base,
+        )
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
         yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
@@ -133,7 +181,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def Finalize(self, request, context):
         svc = self.svc
-        svc.state.merge(force=True)
+        svc.state.merge_all()
         _, loss, acc = svc.evaluator.run_once()
         svc.state.checkpoint()
         svc.finalized.set()
@@ -151,8 +199,7 @@ class OuterService:
         self.known = KnownLearners(self.coordinator)
         self.bytes_lock = threading.Lock()
         self.bytes_sent = 0
-        self._published: tuple[int, int, codec.Encoded] | None = None
-        self._publish_lock = threading.Lock()
+        self.timing = SyncTiming()
         self.server: Server | None = None
         self._threads: list[threading.Thread] = []
 
@@ -169,6 +216,7 @@ class OuterService:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "outer")
         state_dir = run_dir / "outer" if run_dir else None
         self.state = OuterState(self.config, state_dir, self.metrics)
+        self.downloads = DownloadViews(self.config.learner.codec, self.config.learner.block_size)
         self.evaluator = Evaluator(self.config, self.state, self.metrics)
         self.server = Server(self.options.bind, [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name])
         outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
@@ -210,18 +258,25 @@ class OuterService:
     # ------------------------------------------------------------------ loops
     def _merge_loop(self) -> None:
         state = self.state
+        ocfg = self.config.outer
         while not self.stop_event.is_set():
-            with state.lock:
-                while not state.ready_to_merge() and not self.stop_event.is_set():
-                    state.lock.wait(0.5)
-            if self.stop_event.is_set():
-                return
-            try:
-                state.merge()
-            except Exception:  # a merge bug must be loud, not a silent dead thread
-                log.exception("merge failed")
-                self.metrics.event("merge_error")
-                self.stop_event.set()
+            grace = self.timing.grace_s(ocfg.overlap_steps, ocfg.grace_gamma, ocfg.max_grace_s)
+            due = state.due_fragments(self.known.live_count(default=self.config.learners), grace)
+            if not due:
+                with state.lock:
+                    # woken by every accepted delta; the timeout lets a grace window expire
+                    state.lock.wait(min(0.05, grace) if state.pending_count() else 0.5)
+                continue
+            for fragment in due:
+                t0 = time.monotonic()
+                try:
+                    state.merge(fragment, force=True)
+                except Exception:  # a merge bug must be loud, not a silent dead thread
+                    log.exception("merge failed")
+                    self.metrics.event("merge_error")
+                    self.stop_event.set()
+                    return
+                self.timing.observe_merge(time.monotonic() - t0)
 
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s
@@ -240,14 +295,6 @@ class OuterService:
                 self.stop_event.set()
 
     # ------------------------------------------------------------------ helpers
-    def published(self) -> tuple[int, int, codec.Encoded]:
-        """(version, tokens merged, fp32 + zstd payload), encoded once per version."""
-        with self._publish_lock:
-            if self._published is None or self._published[0] != self.state.version:
-                version, tokens_merged, arrays = self.state.snapshot()
-                self._published = (version, tokens_merged, codec.encode(arrays, "fp32"))
-            return self._published
-
     def status(self) -> outer_pb2.OuterStatus:
         st = self.state.status()
         st.ready = True

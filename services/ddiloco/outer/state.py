@@ -1,12 +1,14 @@
-"""The outer optimizer's state: global parameters, momentum, versions, pending deltas.
+"""The outer optimizer's state: global parameters split into fragments, each with its own
+version, momentum, staleness clock and pending deltas.
 
 Lifecycle of a delta
 --------------------
-1. ``accept()`` validates it (run id, learner, sequence, staleness, shapes, finiteness),
+1. ``accept()`` validates it (run id, sequence, fragment, staleness, shapes, finiteness),
    writes it to the journal (atomically, fsynced) and only then returns: an acknowledged
    delta survives a crash of this process and is merged after restart.
-2. ``merge()`` takes every pending delta once at least ``quorum`` are in, weights them
-   (``ddiloco.common.merge``), takes one work-clock Nesterov step and bumps the version.
+2. ``merge(fragment)`` takes the fragment's pending deltas once the quorum (and grace
+   window, decided by the caller via ``due_fragments``) is met, weights them
+   (``ddiloco.common.merge``), takes one work-clock Nesterov step and bumps the versions.
 3. Every ``checkpoint_every`` merges, ``checkpoint()`` writes parameters, momentum and the
    last sequence applied per learner atomically, then drops the journal entries it covers.
 
@@ -31,9 +33,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddiloco.common import codec, merge
+from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import fsync_dir, write_bytes, write_json
+from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, is_embedding
 from ddiloco.common.wire import Refused, decode_payload
@@ -44,25 +47,63 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LearnerRecord:
+    """Per learner; counters per fragment where work is counted per fragment."""
+
     last_seq_accepted: int = 0
     last_seq_applied: int = 0
     accepted: int = 0
     merged: int = 0
     refused: int = 0
-    tokens_merged: int = 0
-    tokens_accepted: int = 0
+    tokens_merged: dict[int, int] = field(default_factory=dict)  # fragment -> tokens
+    tokens_accepted: dict[int, int] = field(default_factory=dict)
+
+    def work(self, counter: dict[int, int], fragments: int) -> int:
+        """Tokens of this learner's work that every fragment has: the minimum over fragments."""
+        return min(counter.get(f, 0) for f in range(fragments))
+
+    def to_json(self) -> dict:
+        d = dict(vars(self))
+        d["tokens_merged"] = {str(k): v for k, v in self.tokens_merged.items()}
+        d["tokens_accepted"] = {str(k): v for k, v in self.tokens_accepted.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LearnerRecord":
+        d = dict(d)
+        d["tokens_merged"] = {int(k): v for k, v in d.get("tokens_merged", {}).items()}
+        d["tokens_accepted"] = {int(k): v for k, v in d.get("tokens_accepted", {}).items()}
+        return cls(**d)
 
 
 @dataclass
 class Pending:
     learner_id: int
     seq: int
+    fragment: int
     base_version: int
     tokens: int
     inner_steps: int
     tensors: list[torch.Tensor]
     journal_path: pathlib.Path | None
+    compute_seconds: float = 0.0
     arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Fragment:
+    index: int
+    tensor_ids: list[int]
+    optimizer: merge.WorkClockNesterov
+    version: int = 0
+    tokens_merged: int = 0
+    # cumulative tokens merged when each version was published: staleness is measured as
+    # work merged since a delta's base version ...
+    tokens_at_version: dict[int, int] = field(default_factory=lambda: {0: 0})
+    # ... minus the learner's own share: its own work is already in its local state
+    own_at_version: dict[int, dict[int, int]] = field(default_factory=lambda: {0: {}})
+    pending: list[Pending] = field(default_factory=list)
+    merged_by_learner: dict[int, int] = field(default_factory=dict)
+    quorum_since: float | None = None  # when the quorum was first met (grace window start)
 
 
 class OuterState:
@@ -75,26 +116,27 @@ class OuterState:
         self.names = [n for n, _ in named]
         self.params = [p.detach().clone() for _, p in named]
         self.plain_average = [is_embedding(n) for n in self.names]
-        self.optimizer = merge.WorkClockNesterov(config.outer.lr, config.outer.momentum, config.outer.nesterov)
-        self.version = 0
+        ocfg = config.outer
+        self.fragments = [
+            Fragment(i, ids, merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov))
+            for i, ids in enumerate(partition([p.numel() for p in self.params], config.fragments))
+        ]
+        self.version = 0  # merges across all fragments: the global clock, only ever increases
         self.outer_steps = 0
-        self.tokens_merged = 0
-        # cumulative tokens merged when each version was published: staleness is measured
-        # as work merged since a delta's base version
-        self.tokens_at_version: dict[int, int] = {0: 0}
-        # and each learner's own merged tokens at that version: a learner's own work is
-        # already in its local state, so it does not make its later deltas stale
-        self.own_at_version: dict[int, dict[int, int]] = {0: {}}
         self.learners: dict[int, LearnerRecord] = {}
-        self.pending: list[Pending] = []
         self.bytes_received = 0
         self.lock = threading.Condition()
         self._learner_locks: dict[int, threading.Lock] = {}
         self._merges_since_checkpoint = 0
+        self._checkpoint_lock = threading.Lock()
         if state_dir is not None:
             (state_dir / "journal").mkdir(parents=True, exist_ok=True)
             (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             self._restore()
+
+    @property
+    def tokens_merged(self) -> int:
+        return min(f.tokens_merged for f in self.fragments)
 
     # ----------------------------------------------------------------- accepting
     def _learner_lock(self, learner_id: int) -> threading.Lock:
@@ -102,7 +144,7 @@ class OuterState:
             return self._learner_locks.setdefault(learner_id, threading.Lock())
 
     def accept(self, header: outer_pb2.DeltaHeader, payload: bytes) -> tuple[int, float]:
-        """Validate, journal and queue one delta. Returns (global version, staleness discount).
+        """Validate, journal and queue one delta. Returns (fragment version, staleness discount).
 
         Raises ``Refused`` with a precise status; on refusal nothing changes but counters.
         """
@@ -111,11 +153,16 @@ class OuterState:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"delta is for run {header.run_id!r}, this is run {cfg.run_id!r}")
         if header.seq < 1:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sequence numbers start at 1, got {header.seq}")
+        if not 0 <= header.fragment < len(self.fragments):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {header.fragment} does not exist; this run has {len(self.fragments)}"
+            )
         if header.tokens <= 0 or header.inner_steps <= 0:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"a delta must represent work: tokens={header.tokens}, inner_steps={header.inner_steps}",
             )
+        frag = self.fragments[header.fragment]
         with self._learner_lock(header.learner_id):
             with self.lock:
                 rec = self.learners.setdefault(header.learner_id, LearnerRecord())
@@ -125,9 +172,13 @@ class OuterState:
                         grpc.StatusCode.ALREADY_EXISTS,
                         f"learner {header.learner_id} sequence {header.seq} already accepted (last {rec.last_seq_accepted})",
                     )
-                self._check_staleness(header.base_version, header.learner_id)
+                try:
+                    self._check_staleness(frag, header.base_version, header.learner_id)
+                except Refused:
+                    rec.refused += 1
+                    raise
             try:
-                tensors = self._decode(header, payload)
+                tensors = self._decode(frag, header, payload)
             except Refused:
                 with self.lock:
                     rec.refused += 1
@@ -136,54 +187,61 @@ class OuterState:
             with self.lock:
                 rec.last_seq_accepted = header.seq
                 rec.accepted += 1
-                rec.tokens_accepted += header.tokens
+                rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
                 self.bytes_received += len(payload)
-                self.pending.append(
-                    Pending(header.learner_id, header.seq, header.base_version, header.tokens, header.inner_steps, tensors, journal_path)
+                frag.pending.append(
+                    Pending(
+                        header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
+                        header.inner_steps, tensors, journal_path, header.compute_seconds,
+                    )
                 )
-                discount = self._discount(header.base_version, header.learner_id) or 0.0
+                discount = self._discount(frag, header.base_version, header.learner_id) or 0.0
                 self.lock.notify_all()
-                return self.version, discount
+                return frag.version, discount
 
-    def _check_staleness(self, base_version: int, learner_id: int) -> None:
-        if base_version > self.version:
+    def _check_staleness(self, frag: Fragment, base_version: int, learner_id: int) -> None:
+        if base_version > frag.version:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"base version {base_version} is newer than the global version {self.version}",
+                f"base version {base_version} is newer than fragment {frag.index}'s version {frag.version}",
             )
-        if base_version not in self.tokens_at_version:
+        if base_version not in frag.tokens_at_version:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"base version {base_version} is too old: versions before {min(self.tokens_at_version)} are no longer tracked",
+                f"delta is stale: base version {base_version} of fragment {frag.index} is no longer tracked "
+                f"(oldest {min(frag.tokens_at_version)})",
             )
-        if self._discount(base_version, learner_id) is None:
-            rounds = self._rounds_behind(base_version, learner_id)
+        if self._discount(frag, base_version, learner_id) is None:
+            rounds = self._rounds_behind(frag, base_version, learner_id)
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"delta is stale: {rounds:.2f} rounds of other learners' work merged since base version {base_version}, "
-                f"bound {self.config.outer.max_staleness_rounds}",
+                f"delta is stale: {rounds:.2f} rounds of other learners' work merged into fragment {frag.index} "
+                f"since base version {base_version}, bound {self.config.outer.max_staleness_rounds}",
             )
 
-    def _rounds_behind(self, base_version: int, learner_id: int) -> float:
-        """Rounds of *other* learners' work merged since ``base_version``."""
+    def _rounds_behind(self, frag: Fragment, base_version: int, learner_id: int) -> float:
+        """Rounds of *other* learners' work merged into ``frag`` since ``base_version``."""
         rec = self.learners.get(learner_id)
-        own_now = rec.tokens_merged if rec else 0
-        own_then = self.own_at_version.get(base_version, {}).get(learner_id, 0)
-        others = (self.tokens_merged - self.tokens_at_version[base_version]) - (own_now - own_then)
+        own_now = rec.tokens_merged.get(frag.index, 0) if rec else 0
+        own_then = frag.own_at_version.get(base_version, {}).get(learner_id, 0)
+        others = (frag.tokens_merged - frag.tokens_at_version[base_version]) - (own_now - own_then)
         return merge.staleness_rounds(others, 0, self.config.round_tokens())
 
-    def _discount(self, base_version: int, learner_id: int) -> float | None:
-        if base_version not in self.tokens_at_version:
+    def _discount(self, frag: Fragment, base_version: int, learner_id: int) -> float | None:
+        if base_version not in frag.tokens_at_version:
             return None
-        return merge.staleness_discount(self._rounds_behind(base_version, learner_id), self.config.outer.max_staleness_rounds)
+        rounds = self._rounds_behind(frag, base_version, learner_id)
+        return merge.staleness_discount(rounds, self.config.outer.max_staleness_rounds)
 
-    def _decode(self, header: outer_pb2.DeltaHeader, payload: bytes) -> list[torch.Tensor]:
+    def _decode(self, frag: Fragment, header: outer_pb2.DeltaHeader, payload: bytes) -> list[torch.Tensor]:
         info = header.payload
-        if len(info.tensors) != len(self.names):
+        if len(info.tensors) != len(frag.tensor_ids):
             raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"delta has {len(info.tensors)} tensors, the model has {len(self.names)}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"delta has {len(info.tensors)} tensors, fragment {frag.index} has {len(frag.tensor_ids)}",
             )
-        for spec, name, param in zip(info.tensors, self.names, self.params):
+        for spec, i in zip(info.tensors, frag.tensor_ids):
+            name, param = self.names[i], self.params[i]
             if spec.name != name:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {spec.name!r} where {name!r} was expected")
             if tuple(spec.shape) != tuple(param.shape):
@@ -212,51 +270,79 @@ class OuterState:
         return outer_pb2.DeltaHeader.FromString(blob[4 : 4 + n]), blob[4 + n :]
 
     # ----------------------------------------------------------------- merging
-    def ready_to_merge(self) -> bool:
-        return len(self.pending) >= max(1, self.config.outer.quorum)
+    def due_fragments(self, live_learners: int, grace_s: float, now: float | None = None) -> list[int]:
+        """Fragments whose quorum is met and whose grace window is over (or not needed).
 
-    def merge(self, force: bool = False) -> bool:
-        """Merge every pending delta if the quorum is met (or ``force``). Returns True if merged."""
+        Quorum: ``min(K, live learners)`` distinct learners, so a run whose learners died
+        keeps merging. Grace: after the quorum, wait up to ``grace_s`` for the other live
+        learners, and merge at once when all of them are in.
+        """
+        now = time.monotonic() if now is None else now
+        out = []
         with self.lock:
-            if not self.pending or (not force and not self.ready_to_merge()):
+            k = max(1, min(self.config.outer.quorum, max(live_learners, 1)))
+            for frag in self.fragments:
+                distinct = len({p.learner_id for p in frag.pending})
+                if distinct < k:
+                    frag.quorum_since = None
+                    continue
+                if frag.quorum_since is None:
+                    frag.quorum_since = now
+                if distinct >= live_learners or now - frag.quorum_since >= grace_s:
+                    out.append(frag.index)
+        return out
+
+    def merge(self, fragment: int, force: bool = False) -> bool:
+        """Merge the fragment's pending deltas. Without ``force`` the quorum must be met."""
+        frag = self.fragments[fragment]
+        with self.lock:
+            if not frag.pending:
                 return False
-            batch, self.pending = self.pending, []
-            infos, kept = [], []
-            staleness = {}
+            if not force and len({p.learner_id for p in frag.pending}) < max(1, self.config.outer.quorum):
+                return False
+            batch, frag.pending = frag.pending, []
+            frag.quorum_since = None
+            infos, kept, staleness = [], [], []
             for p in batch:
-                staleness[(p.learner_id, p.seq)] = self._rounds_behind(p.base_version, p.learner_id) if p.base_version in self.tokens_at_version else float("inf")
-                discount = self._discount(p.base_version, p.learner_id)
+                discount = self._discount(frag, p.base_version, p.learner_id)
                 if discount is None:  # became too stale while waiting for the quorum
                     self.learners[p.learner_id].refused += 1
-                    self.metrics.event("delta_dropped_stale", learner=p.learner_id, seq=p.seq)
+                    self.metrics.event("delta_dropped_stale", learner=p.learner_id, seq=p.seq, fragment=fragment)
                     continue
+                staleness.append(self._rounds_behind(frag, p.base_version, p.learner_id))
                 infos.append(merge.DeltaInfo(p.tokens, p.inner_steps, discount))
                 kept.append(p)
             if kept:
                 weights = merge.token_weights(infos)
                 fraction = merge.work_fraction(infos, self.config.round_tokens())
-                direction = merge.combine([p.tensors for p in kept], weights, "weighted", self.plain_average)
-                self.optimizer.step(self.params, direction, fraction)
+                params = [self.params[i] for i in frag.tensor_ids]
+                plain = [self.plain_average[i] for i in frag.tensor_ids]
+                direction = merge.combine([p.tensors for p in kept], weights, self.config.outer.merge_rule, plain)
+                frag.optimizer.step(params, direction, fraction)
+                frag.version += 1
                 self.version += 1
                 self.outer_steps += 1
-                merged_tokens = sum(p.tokens for p in kept)
-                self.tokens_merged += merged_tokens
                 for p in kept:
                     rec = self.learners[p.learner_id]
                     rec.merged += 1
-                    rec.tokens_merged += p.tokens
+                    rec.tokens_merged[fragment] = rec.tokens_merged.get(fragment, 0) + p.tokens
                     rec.last_seq_applied = max(rec.last_seq_applied, p.seq)
-                self.tokens_at_version[self.version] = self.tokens_merged
-                self.own_at_version[self.version] = {k: r.tokens_merged for k, r in self.learners.items()}
-                self._prune_versions()
+                    frag.merged_by_learner[p.learner_id] = frag.merged_by_learner.get(p.learner_id, 0) + 1
+                    frag.tokens_merged += p.tokens
+                frag.tokens_at_version[frag.version] = frag.tokens_merged
+                frag.own_at_version[frag.version] = {k: r.tokens_merged.get(fragment, 0) for k, r in self.learners.items()}
+                self._prune_versions(frag)
                 self.metrics.event(
                     "merge",
                     version=self.version,
+                    fragment=fragment,
+                    fragment_version=frag.version,
                     deltas=[[p.learner_id, p.seq] for p in kept],
                     weights=[round(w, 4) for w in weights],
                     fraction=round(fraction, 4),
-                    staleness=[round(staleness[(p.learner_id, p.seq)], 3) for p in kept],
+                    staleness=[round(s, 3) for s in staleness],
                     tokens_merged=self.tokens_merged,
+                    fragment_tokens_merged=frag.tokens_merged,
                 )
             self._merges_since_checkpoint += 1
             self.lock.notify_all()
@@ -265,18 +351,34 @@ class OuterState:
             self.checkpoint()
         return bool(kept)
 
-    def _prune_versions(self) -> None:
+    def merge_all(self) -> None:
+        """Merge whatever is pending in every fragment, quorum or not (end of run)."""
+        for frag in self.fragments:
+            self.merge(frag.index, force=True)
+
+    def pending_count(self) -> int:
+        with self.lock:
+            return sum(len(f.pending) for f in self.fragments)
+
+    def _prune_versions(self, frag: Fragment) -> None:
         # keep versions while a delta based on them could still be accepted
         bound = (self.config.outer.max_staleness_rounds + 1) * self.config.round_tokens()
-        for v in [v for v, t in self.tokens_at_version.items() if self.tokens_merged - t > bound and v != self.version]:
-            del self.tokens_at_version[v]
-            self.own_at_version.pop(v, None)
+        for v in [v for v, t in frag.tokens_at_version.items() if frag.tokens_merged - t > bound and v != frag.version]:
+            del frag.tokens_at_version[v]
+            frag.own_at_version.pop(v, None)
 
     # ----------------------------------------------------------------- snapshots
-    def snapshot(self) -> tuple[int, int, list[tuple[str, np.ndarray]]]:
-        """(version, tokens merged into it, named copies of the global parameters)."""
+    def snapshot(self, fragment: int | None = None) -> tuple[int, int, list[tuple[str, np.ndarray]]]:
+        """(version, tokens merged, named copies of the parameters) of one fragment, or of
+        the whole model (global version) when ``fragment`` is None."""
         with self.lock:
-            return self.version, self.tokens_merged, [(n, p.numpy().copy()) for n, p in zip(self.names, self.params)]
+            if fragment is None:
+                ids = range(len(self.params))
+                version, tokens = self.version, self.tokens_merged
+            else:
+                frag = self.fragments[fragment]
+                ids, version, tokens = frag.tensor_ids, frag.version, frag.tokens_merged
+            return version, tokens, [(self.names[i], self.params[i].numpy().copy()) for i in ids]
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self) -> pathlib.Path | None:
@@ -287,18 +389,34 @@ class OuterState:
         """
         if self.state_dir is None:
             return None
+        with self._checkpoint_lock:
+            return self._checkpoint()
+
+    def _checkpoint(self) -> pathlib.Path:
+        assert self.state_dir is not None
         with self.lock:
             tensors = {f"param/{n}": p.clone() for n, p in zip(self.names, self.params)}
-            if self.optimizer.buffers is not None:
-                tensors.update({f"momentum/{n}": b.clone() for n, b in zip(self.names, self.optimizer.buffers)})
+            for frag in self.fragments:
+                if frag.optimizer.buffers is not None:
+                    for i, b in zip(frag.tensor_ids, frag.optimizer.buffers):
+                        tensors[f"momentum/{self.names[i]}"] = b.clone()
             state = {
                 "run_id": self.config.run_id,
                 "version": self.version,
                 "outer_steps": self.outer_steps,
-                "tokens_merged": self.tokens_merged,
-                "tokens_at_version": {str(k): v for k, v in self.tokens_at_version.items()},
-                "own_at_version": {str(k): {str(i): t for i, t in v.items()} for k, v in self.own_at_version.items()},
-                "learners": {str(k): vars(r) for k, r in self.learners.items()},
+                "fragments": [
+                    {
+                        "index": f.index,
+                        "tensors": [self.names[i] for i in f.tensor_ids],
+                        "version": f.version,
+                        "tokens_merged": f.tokens_merged,
+                        "tokens_at_version": {str(k): v for k, v in f.tokens_at_version.items()},
+                        "own_at_version": {str(k): {str(i): t for i, t in v.items()} for k, v in f.own_at_version.items()},
+                        "merged_by_learner": {str(k): v for k, v in f.merged_by_learner.items()},
+                    }
+                    for f in self.fragments
+                ],
+                "learners": {str(k): r.to_json() for k, r in self.learners.items()},
                 "written_at": time.time(),
             }
             applied = {k: r.last_seq_applied for k, r in self.learners.items()}
@@ -309,9 +427,9 @@ class OuterState:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file(tensors, str(tmp / "global.safetensors"), metadata={"version": str(state["version"])})
-        write_json(tmp / "state.json", state)
         with open(tmp / "global.safetensors", "rb+") as f:
             os.fsync(f.fileno())
+        write_json(tmp / "state.json", state)
         fsync_dir(tmp)
         final = root / name
         if final.exists():
@@ -339,22 +457,25 @@ class OuterState:
             state = json.loads((path / "state.json").read_text())
             if state["run_id"] != self.config.run_id:
                 raise RuntimeError(f"checkpoint in {path} belongs to run {state['run_id']!r}, not {self.config.run_id!r}")
+            if len(state["fragments"]) != len(self.fragments):
+                raise RuntimeError(f"checkpoint in {path} has {len(state['fragments'])} fragments, the run has {len(self.fragments)}")
             self.params = [tensors[f"param/{n}"].clone() for n in self.names]
-            if f"momentum/{self.names[0]}" in tensors:
-                self.optimizer.buffers = [tensors[f"momentum/{n}"].clone() for n in self.names]
+            for frag, fs in zip(self.fragments, state["fragments"]):
+                if f"momentum/{self.names[frag.tensor_ids[0]]}" in tensors:
+                    frag.optimizer.buffers = [tensors[f"momentum/{self.names[i]}"].clone() for i in frag.tensor_ids]
+                frag.version = fs["version"]
+                frag.tokens_merged = fs["tokens_merged"]
+                frag.tokens_at_version = {int(k): v for k, v in fs["tokens_at_version"].items()}
+                frag.own_at_version = {int(k): {int(i): t for i, t in v.items()} for k, v in fs["own_at_version"].items()}
+                frag.merged_by_learner = {int(k): v for k, v in fs["merged_by_learner"].items()}
             self.version = state["version"]
             self.outer_steps = state["outer_steps"]
-            self.tokens_merged = state["tokens_merged"]
-            self.tokens_at_version = {int(k): v for k, v in state["tokens_at_version"].items()}
-            self.own_at_version = {
-                int(k): {int(i): t for i, t in v.items()} for k, v in state.get("own_at_version", {}).items()
-            }
-            self.learners = {int(k): LearnerRecord(**v) for k, v in state["learners"].items()}
+            self.learners = {int(k): LearnerRecord.from_json(v) for k, v in state["learners"].items()}
             for rec in self.learners.values():
                 # what was accepted but not applied is re-counted from the journal below
                 rec.last_seq_accepted = rec.last_seq_applied
                 rec.accepted = rec.merged
-                rec.tokens_accepted = rec.tokens_merged
+                rec.tokens_accepted = dict(rec.tokens_merged)
             log.info("restored checkpoint %s (version %d)", path.name, self.version)
             self.metrics.event("restore", version=self.version, path=str(path))
         # re-queue every journaled delta the checkpoint does not cover: it was acknowledged
@@ -362,22 +483,26 @@ class OuterState:
         for path in sorted((self.state_dir / "journal").glob("*.delta")):
             try:
                 header, payload = self._read_journal(path)
-            except Exception as exc:  # a torn write never gets renamed into place; be safe anyway
+            except Exception as exc:  # torn writes never get renamed into place; be safe anyway
                 log.warning("unreadable journal entry %s: %s", path, exc)
                 continue
             rec = self.learners.setdefault(header.learner_id, LearnerRecord())
             if header.seq <= rec.last_seq_applied:
                 path.unlink(missing_ok=True)
                 continue
+            frag = self.fragments[header.fragment]
             tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
-            if header.base_version not in self.tokens_at_version:
-                self.tokens_at_version.setdefault(header.base_version, self.tokens_merged)
-            self.pending.append(
-                Pending(header.learner_id, header.seq, header.base_version, header.tokens, header.inner_steps, tensors, path)
+            # an acknowledged delta is merged even if its base version fell out of tracking
+            frag.tokens_at_version.setdefault(header.base_version, frag.tokens_merged)
+            frag.pending.append(
+                Pending(
+                    header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
+                    header.inner_steps, tensors, path, header.compute_seconds,
+                )
             )
             rec.last_seq_accepted = max(rec.last_seq_accepted, header.seq)
             rec.accepted += 1
-            rec.tokens_accepted += header.tokens
+            rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
             replayed += 1
         if replayed:
             self.metrics.event("journal_replay", deltas=replayed)
@@ -385,24 +510,35 @@ class OuterState:
     # ----------------------------------------------------------------- status
     def status(self) -> outer_pb2.OuterStatus:
         with self.lock:
+            p = len(self.fragments)
             return outer_pb2.OuterStatus(
                 run_id=self.config.run_id,
                 version=self.version,
                 outer_steps=self.outer_steps,
                 tokens_merged=self.tokens_merged,
-                pending_deltas=len(self.pending),
+                pending_deltas=sum(len(f.pending) for f in self.fragments),
                 bytes_received=self.bytes_received,
-                model_parameters=sum(p.numel() for p in self.params),
+                model_parameters=sum(x.numel() for x in self.params),
                 learners=[
                     outer_pb2.LearnerMergeStats(
                         learner_id=k,
                         deltas_accepted=r.accepted,
                         deltas_merged=r.merged,
                         deltas_refused=r.refused,
-                        tokens_merged=r.tokens_merged,
+                        tokens_merged=r.work(r.tokens_merged, p),
+                        tokens_accepted=r.work(r.tokens_accepted, p),
                         last_seq=r.last_seq_accepted,
-                        tokens_accepted=r.tokens_accepted,
                     )
                     for k, r in sorted(self.learners.items())
+                ],
+                fragments=[
+                    outer_pb2.FragmentStatus(
+                        fragment=f.index,
+                        version=f.version,
+                        tokens_merged=f.tokens_merged,
+                        parameters=sum(self.params[i].numel() for i in f.tensor_ids),
+                        merged_by_learner=f.merged_by_learner,
+                    )
+                    for f in self.fragments
                 ],
             )

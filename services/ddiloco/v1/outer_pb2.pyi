@@ -16,7 +16,7 @@ PUSH_OUTCOME_UNSPECIFIED: PushOutcome
 PUSH_OUTCOME_ACCEPTED: PushOutcome
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss")
+    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class DeltaHeader(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     base_version: int
@@ -33,7 +35,9 @@ class DeltaHeader(_message.Message):
     seq: int
     payload: _common_pb2.PayloadInfo
     loss: float
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ...) -> None: ...
+    fragment: int
+    compute_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -54,24 +58,30 @@ class PushDeltaResponse(_message.Message):
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., global_version: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class PullGlobalRequest(_message.Message):
-    __slots__ = ("run_id", "learner_id", "have_version")
+    __slots__ = ("run_id", "learner_id", "have_version", "fragment")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     have_version: int
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., have_version: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., have_version: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class GlobalHeader(_message.Message):
-    __slots__ = ("version", "payload", "tokens_merged")
+    __slots__ = ("version", "payload", "tokens_merged", "fragment", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     payload: _common_pb2.PayloadInfo
     tokens_merged: int
-    def __init__(self, version: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., tokens_merged: _Optional[int] = ...) -> None: ...
+    fragment: int
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., tokens_merged: _Optional[int] = ..., fragment: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class GlobalChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -103,8 +113,29 @@ class LearnerMergeStats(_message.Message):
     tokens_accepted: int
     def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ..., tokens_accepted: _Optional[int] = ...) -> None: ...
 
+class FragmentStatus(_message.Message):
+    __slots__ = ("fragment", "version", "tokens_merged", "parameters", "merged_by_learner")
+    class MergedByLearnerEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MERGED_BY_LEARNER_FIELD_NUMBER: _ClassVar[int]
+    fragment: int
+    version: int
+    tokens_merged: int
+    parameters: int
+    merged_by_learner: _containers.ScalarMap[int, int]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., parameters: _Optional[int] = ..., merged_by_learner: _Optional[_Mapping[int, int]] = ...) -> None: ...
+
 class OuterStatus(_message.Message):
-    __slots__ = ("run_id", "ready", "version", "outer_steps", "tokens_merged", "pending_deltas", "learners", "initial_eval_loss", "last_eval_loss", "last_eval_accuracy", "last_eval_version", "bytes_received", "bytes_sent", "model_parameters")
+    __slots__ = ("run_id", "ready", "version", "outer_steps", "tokens_merged", "pending_deltas", "learners", "initial_eval_loss", "last_eval_loss", "last_eval_accuracy", "last_eval_version", "bytes_received", "bytes_sent", "model_parameters", "fragments")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +150,7 @@ class OuterStatus(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     MODEL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     ready: bool
     version: int
@@ -133,7 +165,8 @@ class OuterStatus(_message.Message):
     bytes_received: int
     bytes_sent: int
     model_parameters: int
-    def __init__(self, run_id: _Optional[str] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., outer_steps: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pending_deltas: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerMergeStats, _Mapping]]] = ..., initial_eval_loss: _Optional[float] = ..., last_eval_loss: _Optional[float] = ..., last_eval_accuracy: _Optional[float] = ..., last_eval_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., model_parameters: _Optional[int] = ...) -> None: ...
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
+    def __init__(self, run_id: _Optional[str] = ..., ready: _Optional[bool] = ..., version: _Optional[int] = ..., outer_steps: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., pending_deltas: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerMergeStats, _Mapping]]] = ..., initial_eval_loss: _Optional[float] = ..., last_eval_loss: _Optional[float] = ..., last_eval_accuracy: _Optional[float] = ..., last_eval_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., model_parameters: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ...) -> None: ...
 
 class FinalizeRequest(_message.Message):
     __slots__ = ()
