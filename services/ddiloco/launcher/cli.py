@@ -21,12 +21,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make learner ID this many times slower (repeatable), e.g. --slow 3:3",
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
 
 
+def _topology_arguments(parser: argparse.ArgumentParser) -> None:
+    from ddiloco.launcher.topology import TOPOLOGIES
+    from ddiloco.wan.profiles import profile_names
+
+    group = parser.add_argument_group("topology")
+    group.add_argument(
+        "--topology", choices=TOPOLOGIES, default="local",
+        help="local: every service on 127.0.0.1; netns (root): coordinator and outer optimizer in a hub "
+        "namespace, each learner in its own datacenter namespace behind a tc-shaped link",
+    )
+    group.add_argument("--profile", dest="wan_profile", default="lan",
+                       help=f"WAN profile of the datacenter links (netns only): {', '.join(profile_names())}")
+    group.add_argument("--wan-qdisc", choices=["tbf", "htb"], default="tbf", help="tc qdisc that shapes the links")
+
+
 def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.run import LaunchOptions, launch
+    from ddiloco.launcher.topology import TopologyOptions
 
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = args.cfg_learners if args.cfg_learners is not None else 4
@@ -46,10 +63,28 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         slowdown=slow,
         progress=not args.quiet,
+        topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
     )
-    result = launch(options)
+    try:
+        options.topology.validate()  # bad names fail here, before anything starts
+    except ValueError as exc:
+        print(f"ddiloco run: {exc}", file=sys.stderr)
+        return 2
+    if args.topology == "netns":
+        from ddiloco.netns.topology import NetnsError
+        from ddiloco.wan.tc import TcError
+
+        try:
+            result = launch(options)
+        except (NetnsError, TcError) as exc:
+            print(f"ddiloco run: {exc}", file=sys.stderr)
+            return 2
+    else:
+        result = launch(options)
     if result.report is not None:
         print_summary(result.report, sys.stdout)
+        if "links" in result.report:
+            print_links(result.report["links"], sys.stdout)
         print(f"\nrun folder: {out}  (report.json, metrics.jsonl, config.json, logs/)")
     for name, code in result.failures.items():
         print(f"service {name} failed with exit code {code}; see {out}/logs/{name}.log", file=sys.stderr)
@@ -75,6 +110,23 @@ def print_summary(report: dict, stream) -> None:
         print(
             f"| {lr['learner_id']} | {lr['tokens']:,} | {lr['inner_steps']} | {lr['deltas_sent']} | "
             f"{lr['deltas_merged']} | {lr['incarnations']} |",
+            file=stream,
+        )
+
+
+def print_links(links: dict, stream) -> None:
+    print(
+        f"\nlinks ({links['profile']}, kernel counters at the hub, {links['window_s']:g} s windows):\n"
+        "| datacenter | rate Mbit/s | up MB | down MB | app up/down MB | avg Mbit/s | peak Mbit/s |\n"
+        "|---|---|---|---|---|---|---|",
+        file=stream,
+    )
+    for d in links["datacenters"]:
+        rate = "-" if d["rate_mbit"] is None else f"{d['rate_mbit']:g}"
+        app = f"{d.get('app_bytes_uploaded', 0) / 1e6:.2f} / {d.get('app_bytes_downloaded', 0) / 1e6:.2f}"
+        print(
+            f"| dc{d['datacenter']} | {rate} | {d['bytes_up'] / 1e6:.2f} | {d['bytes_down'] / 1e6:.2f} | {app} | "
+            f"{d['avg_mbps']:.2f} | {d['peak_mbps']:.2f} |",
             file=stream,
         )
 

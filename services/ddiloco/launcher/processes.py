@@ -27,6 +27,25 @@ CHILD_ENV = {
 }
 
 
+@dataclass(frozen=True)
+class Site:
+    """Where a service runs: a command prefix that places it (``ip netns exec NS`` in the
+    netns topology, nothing locally) and the address it binds to and is reached at."""
+
+    host: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
+
+
+LOCAL = Site()
+
+
+def child_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **CHILD_ENV, **(extra_env or {})}
+    src = str(pathlib.Path(__file__).resolve().parents[2])  # works from a checkout without install
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 @dataclass
 class Proc:
     name: str
@@ -43,17 +62,24 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     coordinator_address: str = ""
     outer_address: str = ""
+    hub: Site = LOCAL  # coordinator and outer optimizer
+    datacenters: list[Site] = field(default_factory=list)  # learner i runs at datacenters[i]; local when empty
 
-    def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Proc:
+    def site_of(self, index: int) -> Site:
+        if not self.datacenters:
+            return LOCAL
+        if not 0 <= index < len(self.datacenters):
+            raise ValueError(f"learner {index} has no datacenter: the topology has {len(self.datacenters)}")
+        return self.datacenters[index]
+
+    def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None, site: Site = LOCAL) -> Proc:
         log_dir = self.out / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
-        env = {**os.environ, **CHILD_ENV, **(extra_env or {})}
-        src = str(pathlib.Path(__file__).resolve().parents[2])  # works from a checkout without install
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child_env(extra_env)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                [*site.wrap, sys.executable, "-m", "ddiloco", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # Ctrl-C in the terminal goes to the launcher, which stops children in order
             )
         proc = Proc(name, popen, log_path)
@@ -65,8 +91,9 @@ class Cluster:
         port_file.unlink(missing_ok=True)
         proc = self.spawn(
             "coordinator",
-            ["coordinator", "--bind", "127.0.0.1:0", "--run-dir", str(self.out), "--exit-when-finished",
+            ["coordinator", "--bind", f"{self.hub.host}:0", "--run-dir", str(self.out), "--exit-when-finished",
              "--port-file", str(port_file), *run_flags],
+            site=self.hub,
         )
         deadline = time.monotonic() + timeout
         while not port_file.exists():
@@ -75,21 +102,24 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"coordinator did not start within {timeout}s; see {proc.log_path}")
             time.sleep(0.05)
-        self.coordinator_address = f"127.0.0.1:{int(port_file.read_text())}"
+        self.coordinator_address = f"{self.hub.host}:{int(port_file.read_text())}"
         return proc
 
     def start_outer(self) -> Proc:
         return self.spawn(
             "outer",
-            ["outer", "--bind", "127.0.0.1:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
+            ["outer", "--bind", f"{self.hub.host}:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
              "--exit-when-finished"],
+            site=self.hub,
         )
 
     def start_learner(self, index: int, extra: list[str] | None = None, name: str | None = None) -> Proc:
+        site = self.site_of(index)
         return self.spawn(
             name or f"learner-{index}",
             ["learner", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
-             "--datacenter", f"dc{index}", *(extra or [])],
+             "--datacenter", f"dc{index}", "--bind", f"{site.host}:0", *(extra or [])],
+            site=site,
         )
 
     def membership(self, timeout: float = 2.0) -> coordinator_pb2.Membership | None:

@@ -12,6 +12,7 @@ import grpc
 
 from ddiloco.common.rpc import channel
 from ddiloco.launcher.processes import Cluster
+from ddiloco.launcher.topology import TopologyOptions, make_topology
 from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
 
 
@@ -25,6 +26,7 @@ class LaunchOptions:
     learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
+    topology: TopologyOptions = field(default_factory=TopologyOptions)
 
 
 @dataclass
@@ -40,24 +42,30 @@ class LaunchResult:
 
 def launch(options: LaunchOptions) -> LaunchResult:
     options.out.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(options.out)
-    try:
-        coordinator = cluster.start_coordinator(options.run_flags)
-        cluster.start_outer()
-        for i in range(options.learners):
-            extra = ["--device", options.device]
-            if i in options.slowdown:
-                extra += ["--slowdown", str(options.slowdown[i])]
-            extra += options.learner_flags.get(i, [])
-            cluster.start_learner(i, extra)
-        _supervise(cluster, coordinator, options)
-        cluster.wait_all(timeout=60)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping services", file=sys.stderr)
-    finally:
-        cluster.stop_all()
-    report_path = options.out / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    topology = make_topology(options.topology, options.learners, options.out)
+    # the topology is torn down on leaving this block, however it is left (netns: also on
+    # SIGTERM/SIGHUP, which it turns into KeyboardInterrupt while it is up)
+    with topology:
+        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
+        try:
+            topology.start(options.out)
+            coordinator = cluster.start_coordinator(options.run_flags)
+            cluster.start_outer()
+            for i in range(options.learners):
+                extra = ["--device", options.device]
+                if i in options.slowdown:
+                    extra += ["--slowdown", str(options.slowdown[i])]
+                extra += options.learner_flags.get(i, [])
+                cluster.start_learner(i, extra)
+            _supervise(cluster, coordinator, options)
+            cluster.wait_all(timeout=60)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping services", file=sys.stderr)
+        finally:
+            cluster.stop_all()
+        report_path = options.out / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
     return LaunchResult(report, failures, options.out)
 

@@ -65,8 +65,9 @@ def require_net_admin() -> None:
         )
 
 
-def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    cmd = [tc_path(), *args]
+def _tc(*args: str, check: bool = True, netns: str | None = None) -> subprocess.CompletedProcess[str]:
+    # ``tc -n NS`` talks netlink inside a named network namespace (ip netns), no exec needed
+    cmd = [tc_path(), *(("-n", netns) if netns else ()), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if check and proc.returncode != 0:
         err = (proc.stderr or proc.stdout).strip()
@@ -84,45 +85,49 @@ def burst_bytes(rate_bits: int) -> int:
     return max(32 * 1024, rate_bits // 8 // 100)
 
 
-def clear(dev: str) -> None:
-    """Remove any root qdisc from ``dev``: the kernel's default, unshaped, comes back."""
-    proc = _tc("qdisc", "del", "dev", dev, "root", check=False)
+def clear(dev: str, *, netns: str | None = None) -> None:
+    """Remove any root qdisc from ``dev`` (in namespace ``netns``, if given): the kernel's
+    default, unshaped, comes back."""
+    proc = _tc("qdisc", "del", "dev", dev, "root", check=False, netns=netns)
     if proc.returncode != 0:
         err = proc.stderr.strip()
         # deleting a default qdisc is how the kernel says there was nothing to remove
         if "handle of zero" in err or "No such file" in err or "Invalid handle" in err:
             return
-        _tc("qdisc", "show", "dev", dev)  # raises the clearer error for a missing device
+        _tc("qdisc", "show", "dev", dev, netns=netns)  # raises the clearer error for a missing device
         if "Operation not permitted" in err:
             require_net_admin()
         raise TcError(f"tc qdisc del dev {dev} root failed: {err}")
 
 
-def shape(dev: str, rate_bits: int | None, *, qdisc: str = "tbf", latency_ms: int = 50) -> Shaping:
-    """Limit ``dev``'s egress to ``rate_bits`` (None: remove any limit), then read it back."""
+def shape(
+    dev: str, rate_bits: int | None, *, qdisc: str = "tbf", latency_ms: int = 50, netns: str | None = None
+) -> Shaping:
+    """Limit ``dev``'s egress to ``rate_bits`` (None: remove any limit), then read it back.
+    ``netns`` names the network namespace (``ip netns``) the device lives in."""
     if qdisc not in QDISCS:
         raise ValueError(f"qdisc must be one of {QDISCS}, got {qdisc!r}")
     tc_path()
     if rate_bits is None:
-        clear(dev)
-        return read(dev)
+        clear(dev, netns=netns)
+        return read(dev, netns=netns)
     if rate_bits <= 0:
         raise ValueError(f"rate must be positive, got {rate_bits}")
     burst = burst_bytes(rate_bits)
     try:
         if qdisc == "tbf":
             _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bits}bit",
-                "burst", str(burst), "latency", f"{latency_ms}ms")
+                "burst", str(burst), "latency", f"{latency_ms}ms", netns=netns)
         else:
             # replace keeps an htb already there, whose class is then replaced too
-            _tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+            _tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1", netns=netns)
             _tc("class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-                "rate", f"{rate_bits}bit", "ceil", f"{rate_bits}bit", "burst", str(burst))
+                "rate", f"{rate_bits}bit", "ceil", f"{rate_bits}bit", "burst", str(burst), netns=netns)
     except TcError:
         if not has_net_admin():
             require_net_admin()
         raise
-    got = read(dev)
+    got = read(dev, netns=netns)
     if got.rate_bits is None or abs(got.rate_bits - rate_bits) > rate_bits // 100:
         raise TcError(f"shaped {dev} to {rate_bits} bit/s but read back {got}")
     return got
@@ -140,15 +145,15 @@ def parse_rate(text: str) -> int:
     return int(round(value * (8 if m.group(3) == "bps" else 1)))
 
 
-def qdiscs(dev: str) -> list[dict]:
+def qdiscs(dev: str, *, netns: str | None = None) -> list[dict]:
     """``tc -j qdisc show dev DEV``, parsed."""
-    out = _tc("-j", "qdisc", "show", "dev", dev).stdout.strip()
+    out = _tc("-j", "qdisc", "show", "dev", dev, netns=netns).stdout.strip()
     return json.loads(out) if out else []
 
 
-def read(dev: str) -> Shaping:
+def read(dev: str, *, netns: str | None = None) -> Shaping:
     """The egress limit now in force on ``dev``, read from the kernel."""
-    root = next((q for q in qdiscs(dev) if q.get("root")), None)
+    root = next((q for q in qdiscs(dev, netns=netns) if q.get("root")), None)
     if root is None:
         return Shaping(dev, "none", None)
     kind = root.get("kind", "?")
@@ -160,7 +165,7 @@ def read(dev: str) -> Shaping:
         default = str(root.get("options", {}).get("default", "0x1"))
         minor = int(default, 16)
         handle = root.get("handle", "1:").rstrip(":")
-        text = _tc("class", "show", "dev", dev).stdout
+        text = _tc("class", "show", "dev", dev, netns=netns).stdout
         for line in text.splitlines():
             m = re.match(rf"class htb {re.escape(handle)}:([0-9a-f]+) .*?\brate (\S+)", line)
             if m and int(m.group(1), 16) == minor:
