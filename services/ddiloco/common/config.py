@@ -80,6 +80,10 @@ class OuterConfig:
     nesterov: bool = True
     quorum: int = 1  # K: a fragment merges once this many learners' deltas are pending
     merge_rule: str = "weighted"  # weighted (tokens x tokens/step) | mean | rda
+    # The work clock scales each merge by the fraction of a synchronous round it stands for.
+    # Off reproduces the naive recipe (a full synchronous outer step per arrival), which
+    # diverges; kept only to measure that.
+    work_clock: bool = True
     # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
     # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
     overlap_steps: int = 2

@@ -43,6 +43,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
     group.add_argument("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
     group.add_argument(
+        "--naive-merge", action="store_true", default=None,
+        help="apply a full synchronous outer step per arrival (diverges; for comparison only)",
+    )
+    group.add_argument(
         "--dynamic-local-updates", action="store_true", default=None,
         help="slower learners sync after proportionally fewer inner steps",
     )
@@ -58,6 +62,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.learner.sync = True
     if args.dynamic_local_updates:
         cfg.learner.dynamic_local_updates = True
+    if args.naive_merge:
+        cfg.outer.work_clock = False
     for _, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is None:
@@ -91,6 +97,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--sync"]
     if args.dynamic_local_updates:
         out += ["--dynamic-local-updates"]
+    if args.naive_merge:
+        out += ["--naive-merge"]
     for flag, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is not None:

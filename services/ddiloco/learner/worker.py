@@ -298,8 +298,30 @@ class Learner:
         self.metrics.event("sync_wait", learner=self.learner_id, seconds=round(time.perf_counter() - t0, 4))
 
     # ------------------------------------------------------------------ background
+    def _adapt_inner_steps(self) -> None:
+        """Dynamic local updates (Async Local-SGD): scale H by fastest step time / own step
+        time, so a slow learner sends as often as the fast ones instead of ever staler deltas."""
+        m = self.coordinator.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+        times = [x.stats.compute_seconds / x.stats.inner_steps for x in m.members if x.alive and x.stats.inner_steps > 0]
+        steps = self.stats.get("inner_steps")
+        if not times or steps < 5:
+            return
+        mine = self.stats.get("compute_seconds") / steps
+        base = self.options.inner_steps or self.config.learner.inner_steps
+        h = max(1, min(base, round(base * min(times) / mine)))
+        if h != self.inner_steps:
+            self.metrics.event("inner_steps_changed", learner=self.learner_id, inner_steps=h, step_s=round(mine, 4))
+            self.inner_steps = h
+
     def _heartbeat_loop(self) -> None:
+        beats = 0
         while not self.stop_event.wait(self.heartbeat_s):
+            beats += 1
+            if self.config.learner.dynamic_local_updates and beats % 5 == 0:
+                try:
+                    self._adapt_inner_steps()
+                except grpc.RpcError:
+                    pass
             req = coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb())
             try:
                 resp = self.coordinator.Heartbeat(req, timeout=5)

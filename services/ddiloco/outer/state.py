@@ -314,7 +314,7 @@ class OuterState:
                 kept.append(p)
             if kept:
                 weights = merge.token_weights(infos)
-                fraction = merge.work_fraction(infos, self.config.round_tokens())
+                fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
                 params = [self.params[i] for i in frag.tensor_ids]
                 plain = [self.plain_average[i] for i in frag.tensor_ids]
                 direction = merge.combine([p.tensors for p in kept], weights, self.config.outer.merge_rule, plain)

@@ -1,0 +1,134 @@
+"""What a fault is, and schedules of faults.
+
+A fault has a kind, a target and a duration:
+
+- ``kill``: SIGKILL (or ``docker kill``); after ``duration_s`` the service is started again
+  with the same command (a restarted learner registers again under the same id).
+- ``freeze``: SIGSTOP (or ``docker pause``), like a straggler; SIGCONT after ``duration_s``.
+- ``partition``: a datacenter is cut off (link down, or disconnected from its network);
+  restored after ``duration_s``.
+
+Targets: ``learner`` (whichever learner is up, chosen at injection time with the schedule's
+seeded generator), ``learner:ID``, ``outer``, ``coordinator``, and for partitions a
+datacenter name (``dc1``) or ``learner:ID`` (that learner's datacenter).
+
+A duration of ``inf`` means the fault is never undone.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import dataclass, field
+
+KINDS = ("kill", "freeze", "partition")
+SERVICES = ("outer", "coordinator")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """``60s``, ``1.5m``, ``500ms``, ``20`` (seconds), ``inf``."""
+    if text.strip().lower() in ("inf", "never", "forever"):
+        return math.inf
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (examples: 60s, 1.5m, 500ms, 20, inf)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def check_target(kind: str, target: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(KINDS)}")
+    if target == "learner" or target in SERVICES:
+        if kind == "partition" and target in SERVICES:
+            raise ValueError(f"partition cuts off a datacenter (dcN or learner:ID), not {target!r}")
+        return
+    if target.startswith("learner:"):
+        if not target.split(":", 1)[1].isdigit():
+            raise ValueError(f"learner target must be learner:ID with a number, got {target!r}")
+        return
+    if kind == "partition" and re.fullmatch(r"[A-Za-z0-9_.-]+", target):
+        return  # a datacenter name
+    raise ValueError(f"unknown target {target!r} for {kind}: learner, learner:ID, outer, coordinator (partition: a datacenter)")
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float  # seconds after the schedule starts (the run's first learner registration)
+    kind: str
+    target: str
+    duration_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        check_target(self.kind, self.target)
+        if self.at_s < 0 or self.duration_s < 0:
+            raise ValueError(f"fault times must be non-negative: at {self.at_s}, duration {self.duration_s}")
+
+    def describe(self) -> str:
+        dur = "forever" if math.isinf(self.duration_s) else f"for {self.duration_s:g}s"
+        return f"{self.kind} {self.target} at {self.at_s:g}s {dur}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """``KIND:TARGET@AT[+DURATION]``, e.g. ``kill:outer@90s+5s``, ``freeze:learner:1@30s+15s``,
+    ``partition:dc1@60s+20s``."""
+    m = re.fullmatch(r"\s*(\w+):(.+?)@([^+]+)(?:\+(.+))?\s*", spec)
+    if not m:
+        raise ValueError(f"fault spec {spec!r} is not KIND:TARGET@AT[+DURATION], e.g. kill:outer@90s+5s")
+    kind, target, at, dur = m.groups()
+    return Fault(parse_duration(at), kind, target, parse_duration(dur) if dur else math.inf)
+
+
+def periodic(kind: str, target: str, every_s: float, duration_s: float, until_s: float, start_s: float | None = None) -> list[Fault]:
+    """One fault every ``every_s`` seconds, the first at ``start_s`` (default: ``every_s``)."""
+    if every_s <= 0:
+        raise ValueError(f"fault period must be positive, got {every_s}")
+    t = every_s if start_s is None else start_s
+    out = []
+    while t < until_s:
+        out.append(Fault(t, kind, target, duration_s))
+        t += every_s
+    return out
+
+
+def random_faults(
+    rate_per_min: float, kinds: list[str], targets: list[str], duration_s: float, until_s: float, seed: int
+) -> list[Fault]:
+    """Poisson arrivals at ``rate_per_min``; kind and target drawn uniformly; reproducible by seed."""
+    if rate_per_min <= 0:
+        raise ValueError(f"fault rate must be positive, got {rate_per_min}")
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate_per_min / 60.0)
+        if t >= until_s:
+            return out
+        kind = rng.choice(kinds)
+        valid = [x for x in targets if kind != "partition" or x not in SERVICES]
+        if not valid:
+            raise ValueError(f"no valid target for {kind} among {targets}")
+        out.append(Fault(round(t, 3), kind, rng.choice(valid), duration_s))
+
+
+@dataclass
+class Schedule:
+    faults: list[Fault] = field(default_factory=list)
+    seed: int = 0  # picks the learner for ``learner`` targets at injection time
+
+    def __post_init__(self) -> None:
+        self.faults = sorted(self.faults, key=lambda f: f.at_s)
+
+    def describe(self) -> str:
+        return "; ".join(f.describe() for f in self.faults) or "no faults"
+
+    def to_json(self) -> dict:
+        return {
+            "seed": self.seed,
+            "faults": [
+                {"at_s": f.at_s, "kind": f.kind, "target": f.target, "duration_s": None if math.isinf(f.duration_s) else f.duration_s}
+                for f in self.faults
+            ],
+        }

@@ -1,0 +1,177 @@
+"""Faults for services running as local processes (``ddiloco.launcher.processes.Cluster``).
+
+kill: SIGKILL to the process group; the process leaves ``cluster.procs`` *before* it dies,
+so a supervisor never mistakes an injected kill for a failure. restart: the same command
+again (same name, same log file). The coordinator and the outer optimizer are restarted on
+the port they had, so peers find them where they were; both find their state in the run
+folder (``coordinator/state.json``; ``outer/checkpoints`` + ``outer/journal``). A learner is
+restarted with its id (``--learner-id``), so it registers again as itself.
+
+freeze: SIGSTOP / SIGCONT to the process group.
+
+partition: cutting a datacenter off needs the network-namespace topology; a ``Partitioner``
+(``cut(dc)``/``heal(dc)``) is passed in where one exists, and a partition without one is a
+clear error rather than a silent no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Protocol
+
+from ddiloco.launcher.processes import Cluster, Proc
+from ddiloco.v1 import coordinator_pb2
+
+
+class Partitioner(Protocol):
+    def cut(self, datacenter: str) -> None: ...
+
+    def heal(self, datacenter: str) -> None: ...
+
+
+class FaultError(RuntimeError):
+    pass
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args and args.index(name) + 1 < len(args) else None
+
+
+def _with_flag(args: list[str], name: str, value: str) -> list[str]:
+    args = list(args)
+    if name in args:
+        args[args.index(name) + 1] = value
+    else:
+        args += [name, value]
+    return args
+
+
+class LocalBackend:
+    def __init__(self, cluster: Cluster, partitioner: Partitioner | None = None) -> None:
+        self.cluster = cluster
+        self.partitioner = partitioner
+        self.killed: dict[str, Proc] = {}
+        self.restarted: list[Proc] = []  # processes this backend started again
+        self._learner_ids: dict[str, int] = {}  # proc name -> learner id, learned once
+
+    # ------------------------------------------------------------------ lookups
+    @staticmethod
+    def _args(proc: Proc) -> list[str]:
+        # [python, -m, ddiloco, <command>, ...]
+        return list(proc.popen.args[3:])
+
+    def _role(self, proc: Proc) -> str:
+        return self._args(proc)[0]
+
+    def learner_id_of(self, proc: Proc) -> int | None:
+        if proc.name in self._learner_ids:
+            return self._learner_ids[proc.name]
+        args = self._args(proc)
+        lid = _flag(args, "--learner-id")
+        if lid is not None and int(lid) >= 0:
+            self._learner_ids[proc.name] = int(lid)
+            return int(lid)
+        # started without an id: the coordinator knows it by the learner's datacenter label
+        dc = _flag(args, "--datacenter")
+        m = self.cluster.membership()
+        if m is not None and dc:
+            found = [x.learner_id for x in m.members if x.datacenter == dc and x.alive]
+            if len(found) == 1:
+                self._learner_ids[proc.name] = found[0]
+                return found[0]
+        return None
+
+    def live_learners(self) -> list[int]:
+        ids = []
+        for p in self.cluster.procs:
+            if p.returncode() is None and self._role(p) == "learner":
+                lid = self.learner_id_of(p)
+                if lid is not None:
+                    ids.append(lid)
+        return sorted(ids)
+
+    def proc(self, target: str) -> Proc:
+        for p in self.cluster.procs:
+            if p.returncode() is not None:
+                continue
+            role = self._role(p)
+            if target in ("outer", "coordinator") and role == target:
+                return p
+            if target.startswith("learner:") and role == "learner" and self.learner_id_of(p) == int(target.split(":")[1]):
+                return p
+        raise FaultError(f"no running process for {target}")
+
+    def datacenter_of(self, target: str) -> str:
+        if not target.startswith("learner:"):
+            return target
+        return _flag(self._args(self.proc(target)), "--datacenter") or ""
+
+    def run_over(self) -> bool:
+        """True once the run drains or finished (learners must not be restarted then)."""
+        m = self.cluster.membership(timeout=2.0)
+        if m is None:
+            coord = [p for p in self.cluster.procs if self._role(p) == "coordinator"]
+            return bool(coord) and all(p.returncode() is not None for p in coord)
+        return m.state in (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
+
+    def running(self) -> bool:
+        m = self.cluster.membership(timeout=2.0)
+        return m is not None and m.state == coordinator_pb2.RUN_STATE_RUNNING
+
+    def pid(self, target: str) -> int:
+        return self.proc(target).popen.pid
+
+    # ------------------------------------------------------------------ faults
+    def kill(self, target: str) -> dict:
+        proc = self.proc(target)
+        if target == "outer":
+            self.cluster.registered_outer()  # remember its address to restart it there
+        self.cluster.procs.remove(proc)  # first: a supervisor must not see this as a failure
+        try:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.popen.wait()
+        self.killed[target] = proc
+        return {"pid": proc.popen.pid}
+
+    def restart(self, target: str) -> dict:
+        old = self.killed.pop(target, None)
+        if old is None:
+            raise FaultError(f"{target} was not killed by this backend")
+        args = self._args(old)
+        if target == "coordinator":
+            args = _with_flag(args, "--bind", self.cluster.coordinator_address)
+        elif target == "outer" and self.cluster.outer_address:
+            args = _with_flag(args, "--bind", self.cluster.outer_address)
+        proc = self.cluster.spawn(old.name, args)
+        if old.name in self._learner_ids:
+            self._learner_ids[proc.name] = self._learner_ids[old.name]
+        self.restarted.append(proc)
+        return {"pid": proc.popen.pid}
+
+    def freeze(self, target: str) -> dict:
+        pid = self.pid(target)
+        os.killpg(pid, signal.SIGSTOP)
+        return {"pid": pid}
+
+    def thaw(self, target: str) -> dict:
+        pid = self.pid(target)
+        os.killpg(pid, signal.SIGCONT)
+        return {"pid": pid}
+
+    def partition(self, datacenter: str) -> dict:
+        if self.partitioner is None:
+            raise FaultError(
+                f"cannot cut off {datacenter}: local processes share one network namespace; "
+                "partitions need the namespace topology (ddiloco netns)"
+            )
+        self.partitioner.cut(datacenter)
+        return {}
+
+    def heal(self, datacenter: str) -> dict:
+        if self.partitioner is None:
+            raise FaultError(f"no partitioner to heal {datacenter}")
+        self.partitioner.heal(datacenter)
+        return {}

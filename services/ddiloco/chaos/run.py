@@ -1,0 +1,93 @@
+"""A local training run (coordinator, outer optimizer, M learners as processes) with a chaos
+schedule played against it. Used by ``ddiloco chaos`` and ``bench/chaos.py``.
+
+Learners are started with explicit ids (``--learner-id i``, datacenter ``dc{i}``), so a
+restarted learner is the same learner, with the same shard, whatever the order in which
+processes register.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from ddiloco.chaos.controller import ChaosController
+from ddiloco.chaos.faults import Schedule
+from ddiloco.chaos.local import LocalBackend, Partitioner
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.launcher.processes import Cluster
+from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line
+
+
+@dataclass
+class ChaosResult(LaunchResult):
+    faults_injected: int = 0
+    fault_errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Partitioner | None = None) -> ChaosResult:
+    options.out.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(options.out)
+    backend = LocalBackend(cluster, partitioner)
+    controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
+    notes: list[str] = []
+    failures: dict[str, int] = {}
+    try:
+        cluster.start_coordinator(options.run_flags)
+        cluster.start_outer()
+        for i in range(options.learners):
+            extra = ["--device", options.device, "--learner-id", str(i)]
+            if i in options.slowdown:
+                extra += ["--slowdown", str(options.slowdown[i])]
+            extra += options.learner_flags.get(i, [])
+            cluster.start_learner(i, extra)
+        controller.start()
+        failures = _supervise(cluster, backend, options, notes)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping services", file=sys.stderr)
+    finally:
+        controller.stop(undo=True)
+        if not failures:
+            cluster.wait_all(timeout=60)
+        cluster.stop_all()
+    report_path = options.out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    failures.update({p.name: p.returncode() for p in cluster.failed() if p.name not in failures})
+    return ChaosResult(report, failures, options.out, controller.injected, controller.errors, notes)
+
+
+def _coordinator(cluster: Cluster):
+    for p in cluster.procs:
+        if p.popen.args[3] == "coordinator":
+            return p
+    return None  # killed and not restarted yet
+
+
+def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, notes: list[str]) -> dict[str, int]:
+    deadline = time.monotonic() + options.timeout_s
+    last_print = 0.0
+    while True:
+        coord = _coordinator(cluster)
+        if coord is not None and coord.returncode() is not None:
+            return {}
+        for p in cluster.failed():
+            # a learner restarted just as the run began draining is refused; that is the
+            # protocol working, not a failure
+            if p in backend.restarted and p.popen.args[3] == "learner" and backend.run_over():
+                cluster.procs.remove(p)
+                notes.append(f"{p.name} restarted as the run drained; refused (exit {p.returncode()})")
+                continue
+            print(f"\nservice failed: {p.name} (exit {p.returncode()}); stopping the run", file=sys.stderr)
+            return {p.name: p.returncode()}
+        if time.monotonic() > deadline:
+            print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
+            return {"timeout": -1}
+        time.sleep(0.5)  # pacing of the checks and the progress line, not synchronisation
+        if options.progress and time.monotonic() - last_print >= 10.0:
+            line = progress_line(cluster)
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            last_print = time.monotonic()
