@@ -26,7 +26,7 @@ for arg in "$@"; do
 done
 
 if [ -n "${DDILOCO_TASK_SLOT:-}" ] && [ -z "${DDILOCO_DATACENTER:-}" ]; then
-    DDILOCO_DATACENTER=$((DDILOCO_TASK_SLOT - 1))
+    DDILOCO_DATACENTER=dc$((DDILOCO_TASK_SLOT - 1))
     export DDILOCO_DATACENTER
 fi
 

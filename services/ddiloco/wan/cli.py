@@ -63,7 +63,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
 
 def datacenter_index(text: str | int) -> int:
     """``2``, ``"2"`` or ``"dc2"`` -> 2: learners are labelled dc<i>, tc wants the index."""
-    m = re.fullmatch(r"[A-Za-z_-]*([0-9]+)", str(text).strip())
+    m = re.fullmatch(r"(?:[A-Za-z][A-Za-z_-]*)?([0-9]+)", str(text).strip())
     if not m:
         raise argparse.ArgumentTypeError(f"datacenter must be an index or a label ending in one (dc2), got {text!r}")
     return int(m.group(1))

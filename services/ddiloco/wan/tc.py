@@ -119,8 +119,10 @@ def shape(
             _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bits}bit",
                 "burst", str(burst), "latency", f"{latency_ms}ms", netns=netns)
         else:
-            # replace keeps an htb already there, whose class is then replaced too
-            _tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1", netns=netns)
+            root = next((q for q in qdiscs(dev, netns=netns) if q.get("root")), {})
+            # htb refuses to be replaced by htb; an htb 1: already there only needs its class
+            if not (root.get("kind") == "htb" and root.get("handle") == "1:"):
+                _tc("qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1", netns=netns)
             _tc("class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
                 "rate", f"{rate_bits}bit", "ceil", f"{rate_bits}bit", "burst", str(burst), netns=netns)
     except TcError:
