@@ -86,5 +86,5 @@ def sensitivity(base: Params | None = None) -> dict[str, dict[str, dict]]:
                 value = fit(row, chips, c.constant, pub.published(row, chips), base)
                 p = base.replace(**{c.constant: value})
                 errors = [row_goodput(r, n, p) - pub.published(r, n) for r in FAMILY_ROWS[c.family] for n in pub.CHIPS]
-                out[c.family][f"{row}@{chips}"] = {c.constant: value, "max_abs_error": max(abs(e) for e in errors)}
+                out[c.family][f"{row}@{chips}"] = {c.constant: round(value, 4), "max_abs_error": round(max(abs(e) for e in errors), 5)}
     return out

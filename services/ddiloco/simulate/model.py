@@ -52,21 +52,26 @@ def renewal_timeline(rng: np.random.Generator, rates: np.ndarray, down_s: float,
     mean_cycle = 1.0 / safe + down_s
     expected = float(np.max(np.where(rates > 0, duration_s / mean_cycle, 0.0), initial=0.0))
     cols = max(1, math.ceil(expected + 6.0 * math.sqrt(expected) + 8))
+    live = rates > 0
     starts, fails = [], []
     offset = np.zeros(units)
     while True:
         up = rng.standard_exponential((units, cols)) / safe[:, None]
-        up[rates <= 0] = np.inf
         cycle = up + down_s
         end = offset[:, None] + np.cumsum(cycle, axis=1)
         start = end - cycle
         starts.append(start)
         fails.append(start + up)
         offset = end[:, -1]
-        if np.all(fails[-1][:, -1] >= duration_s):
+        if np.all(fails[-1][live, -1] >= duration_s):
             break
         cols = max(8, cols // 4)  # rare: a few units need more cycles
-    return Timeline(np.concatenate(starts, axis=1), np.concatenate(fails, axis=1))
+    start, fail = np.concatenate(starts, axis=1), np.concatenate(fails, axis=1)
+    # a unit that never fails runs from 0 for ever
+    start[~live] = np.inf
+    start[~live, 0] = 0.0
+    fail[~live] = np.inf
+    return Timeline(start, fail)
 
 
 def absorbing_pause_starts(times: np.ndarray, length: float) -> np.ndarray:
@@ -80,7 +85,9 @@ def absorbing_pause_starts(times: np.ndarray, length: float) -> np.ndarray:
     n = times.size
     if n == 0:
         return times
-    jump = np.append(np.searchsorted(times, times + length, side="left"), n)
+    nxt = np.searchsorted(times, times + length, side="left")
+    nxt = np.maximum(nxt, np.arange(1, n + 1))  # a zero-length stall ends where it starts
+    jump = np.append(nxt, n)
     on = np.zeros(n + 1, dtype=bool)
     on[0] = True
     for _ in range(max(1, math.ceil(math.log2(n + 1))) + 1):
