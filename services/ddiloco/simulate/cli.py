@@ -79,13 +79,16 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ddiloco simulate: {exc}", file=sys.stderr)
         return 2
-    if args.table:
-        cells = report.run_grid(p, seed=args.seed, repeats=args.repeats)
-        if args.json:
-            print(json.dumps({"summary": report.summary(cells), "rows": [c.to_json() for c in cells]}))
+    try:
+        if args.table:
+            cells = report.run_grid(p, seed=args.seed, repeats=args.repeats)
+            text = (json.dumps({"summary": report.summary(cells), "rows": [c.to_json() for c in cells]})
+                    if args.json else report.markdown(cells))
         else:
-            print(report.markdown(cells))
-        return 0
-    result = report.at_size(args.chips, learners, p, seed=args.seed, repeats=args.repeats)
-    print(json.dumps(result) if args.json else report.size_markdown(result))
+            result = report.at_size(args.chips, learners, p, seed=args.seed, repeats=args.repeats)
+            text = json.dumps(result) if args.json else report.size_markdown(result)
+    except ValueError as exc:
+        print(f"ddiloco simulate: {exc}", file=sys.stderr)
+        return 2
+    print(text)
     return 0

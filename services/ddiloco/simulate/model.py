@@ -21,6 +21,7 @@ from ddiloco.simulate import closed_form as cf
 from ddiloco.simulate.params import Params
 
 METHODS = ("dp", "elastic-dp", "ddiloco")
+MAX_PERIODS = 30_000_000  # drawn up/down periods per simulation (~1 GB of float arrays)
 _METHOD_KEY = {"dp": 1, "elastic-dp": 2, "ddiloco": 3}
 
 
@@ -52,6 +53,10 @@ def renewal_timeline(rng: np.random.Generator, rates: np.ndarray, down_s: float,
     mean_cycle = 1.0 / safe + down_s
     expected = float(np.max(np.where(rates > 0, duration_s / mean_cycle, 0.0), initial=0.0))
     cols = max(1, math.ceil(expected + 6.0 * math.sqrt(expected) + 8))
+    if units * cols > MAX_PERIODS:
+        raise ValueError(
+            f"about {units * expected:,.0f} failures to simulate (limit {MAX_PERIODS:,}); shorten the span or use the closed form"
+        )
     live = rates > 0
     starts, fails = [], []
     offset = np.zeros(units)
