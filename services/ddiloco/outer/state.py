@@ -12,6 +12,13 @@ Lifecycle of a delta
 3. Every ``checkpoint_every`` merges, ``checkpoint()`` writes parameters, momentum and the
    last sequence applied per learner atomically, then drops the journal entries it covers.
 
+Merges are journaled too (``merges/``): which deltas, with which weights and work fraction,
+made each version. The record is durable before the merge is applied, so no version is ever
+visible that a restart cannot rebuild: after a crash the outer optimizer loads its last
+checkpoint, re-applies the recorded merges in order (bit for bit the same parameters and
+versions as before the crash), then queues the journaled deltas no merge took. Versions
+therefore only ever increase, and no delta is applied twice.
+
 Deltas are idempotent by (learner id, sequence): a sequence at or below the last one
 accepted is refused with ALREADY_EXISTS, which a retrying learner reads as "already have it".
 """
@@ -132,6 +139,7 @@ class OuterState:
         if state_dir is not None:
             (state_dir / "journal").mkdir(parents=True, exist_ok=True)
             (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (state_dir / "merges").mkdir(parents=True, exist_ok=True)
             self._restore()
 
     @property
@@ -302,10 +310,11 @@ class OuterState:
                 return False
             batch, frag.pending = frag.pending, []
             frag.quorum_since = None
-            infos, kept, staleness = [], [], []
+            infos, kept, staleness, dropped = [], [], [], []
             for p in batch:
                 discount = self._discount(frag, p.base_version, p.learner_id)
                 if discount is None:  # became too stale while waiting for the quorum
+                    dropped.append([p.learner_id, p.seq])
                     self.learners[p.learner_id].refused += 1
                     self.metrics.event("delta_dropped_stale", learner=p.learner_id, seq=p.seq, fragment=fragment)
                     continue
@@ -315,23 +324,8 @@ class OuterState:
             if kept:
                 weights = merge.token_weights(infos)
                 fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
-                params = [self.params[i] for i in frag.tensor_ids]
-                plain = [self.plain_average[i] for i in frag.tensor_ids]
-                direction = merge.combine([p.tensors for p in kept], weights, self.config.outer.merge_rule, plain)
-                frag.optimizer.step(params, direction, fraction)
-                frag.version += 1
-                self.version += 1
-                self.outer_steps += 1
-                for p in kept:
-                    rec = self.learners[p.learner_id]
-                    rec.merged += 1
-                    rec.tokens_merged[fragment] = rec.tokens_merged.get(fragment, 0) + p.tokens
-                    rec.last_seq_applied = max(rec.last_seq_applied, p.seq)
-                    frag.merged_by_learner[p.learner_id] = frag.merged_by_learner.get(p.learner_id, 0) + 1
-                    frag.tokens_merged += p.tokens
-                frag.tokens_at_version[frag.version] = frag.tokens_merged
-                frag.own_at_version[frag.version] = {k: r.tokens_merged.get(fragment, 0) for k, r in self.learners.items()}
-                self._prune_versions(frag)
+                self._journal_merge(frag, kept, dropped, weights, fraction)  # durable before it is applied
+                self._apply(frag, [(p.learner_id, p.seq, p.tokens, p.tensors) for p in kept], weights, fraction)
                 self.metrics.event(
                     "merge",
                     version=self.version,
@@ -350,6 +344,41 @@ class OuterState:
         if due:
             self.checkpoint()
         return bool(kept)
+
+    def _apply(self, frag: Fragment, kept: list[tuple[int, int, int, list[torch.Tensor]]], weights: list[float], fraction: float) -> None:
+        """One outer step on ``frag`` from (learner, seq, tokens, tensors) deltas; bumps versions."""
+        fragment = frag.index
+        params = [self.params[i] for i in frag.tensor_ids]
+        plain = [self.plain_average[i] for i in frag.tensor_ids]
+        direction = merge.combine([t for _, _, _, t in kept], weights, self.config.outer.merge_rule, plain)
+        frag.optimizer.step(params, direction, fraction)
+        frag.version += 1
+        self.version += 1
+        self.outer_steps += 1
+        for learner_id, seq, tokens, _ in kept:
+            rec = self.learners.setdefault(learner_id, LearnerRecord())
+            rec.merged += 1
+            rec.tokens_merged[fragment] = rec.tokens_merged.get(fragment, 0) + tokens
+            rec.last_seq_applied = max(rec.last_seq_applied, seq)
+            frag.merged_by_learner[learner_id] = frag.merged_by_learner.get(learner_id, 0) + 1
+            frag.tokens_merged += tokens
+        frag.tokens_at_version[frag.version] = frag.tokens_merged
+        frag.own_at_version[frag.version] = {k: r.tokens_merged.get(fragment, 0) for k, r in self.learners.items()}
+        self._prune_versions(frag)
+
+    def _journal_merge(self, frag: Fragment, kept: list[Pending], dropped: list[list[int]], weights: list[float], fraction: float) -> None:
+        if self.state_dir is None:
+            return
+        record = {
+            "version": self.version + 1,
+            "fragment": frag.index,
+            "fragment_version": frag.version + 1,
+            "deltas": [[p.learner_id, p.seq] for p in kept],
+            "dropped": dropped,
+            "weights": list(weights),  # full precision: the replay must be bit-exact
+            "fraction": fraction,
+        }
+        write_json(self.state_dir / "merges" / f"{record['version']:010d}.json", record)
 
     def merge_all(self) -> None:
         """Merge whatever is pending in every fragment, quorum or not (end of run)."""
@@ -419,7 +448,11 @@ class OuterState:
                 "learners": {str(k): r.to_json() for k, r in self.learners.items()},
                 "written_at": time.time(),
             }
-            applied = {k: r.last_seq_applied for k, r in self.learners.items()}
+            # a journaled delta is covered once it is accepted and no longer pending (merged
+            # or dropped); by sequence alone is not enough when fragments merge out of order
+            accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
+            pending = {(p.learner_id, p.seq) for f in self.fragments for p in f.pending}
+            state["pending"] = sorted(pending)
             self._merges_since_checkpoint = 0
         root = self.state_dir / "checkpoints"
         name = f"v{state['version']:08d}"
@@ -439,10 +472,13 @@ class OuterState:
         write_bytes(root / "LATEST", name.encode())
         for old in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and p != final)[:-1]:
             shutil.rmtree(old, ignore_errors=True)
-        # journal entries now covered by the checkpoint are no longer needed
+        # merge records and journal entries now covered by the checkpoint are no longer needed
+        for path in (self.state_dir / "merges").glob("*.json"):
+            if int(path.stem) <= state["version"]:
+                path.unlink(missing_ok=True)
         for path in (self.state_dir / "journal").glob("*.delta"):
             learner, seq = (int(x) for x in path.stem.split("-"))
-            if seq <= applied.get(learner, 0):
+            if seq <= accepted.get(learner, 0) and (learner, seq) not in pending:
                 path.unlink(missing_ok=True)
         self.metrics.event("checkpoint", version=state["version"], path=str(final))
         return final
@@ -451,6 +487,8 @@ class OuterState:
         assert self.state_dir is not None
         root = self.state_dir / "checkpoints"
         latest = root / "LATEST"
+        ckpt_accepted: dict[int, int] = {}  # no checkpoint: nothing is covered
+        ckpt_pending: set | None = set()
         if latest.exists():
             path = root / latest.read_text().strip()
             tensors = load_file(str(path / "global.safetensors"))
@@ -471,6 +509,8 @@ class OuterState:
             self.version = state["version"]
             self.outer_steps = state["outer_steps"]
             self.learners = {int(k): LearnerRecord.from_json(v) for k, v in state["learners"].items()}
+            ckpt_accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
+            ckpt_pending = {tuple(x) for x in state["pending"]} if "pending" in state else None
             for rec in self.learners.values():
                 # what was accepted but not applied is re-counted from the journal below
                 rec.last_seq_accepted = rec.last_seq_applied
@@ -478,16 +518,24 @@ class OuterState:
                 rec.tokens_accepted = dict(rec.tokens_merged)
             log.info("restored checkpoint %s (version %d)", path.name, self.version)
             self.metrics.event("restore", version=self.version, path=str(path))
-        # re-queue every journaled delta the checkpoint does not cover: it was acknowledged
-        replayed = 0
+        journal: dict[tuple[int, int], tuple[pathlib.Path, outer_pb2.DeltaHeader, bytes]] = {}
         for path in sorted((self.state_dir / "journal").glob("*.delta")):
             try:
                 header, payload = self._read_journal(path)
             except Exception as exc:  # torn writes never get renamed into place; be safe anyway
                 log.warning("unreadable journal entry %s: %s", path, exc)
                 continue
+            journal[(header.learner_id, header.seq)] = (path, header, payload)
+        self._replay_merges(journal)
+        # re-queue every journaled delta no merge took: it was acknowledged
+        replayed = 0
+        for path, header, payload in journal.values():
             rec = self.learners.setdefault(header.learner_id, LearnerRecord())
-            if header.seq <= rec.last_seq_applied:
+            if ckpt_pending is not None:
+                covered = header.seq <= ckpt_accepted.get(header.learner_id, 0) and (header.learner_id, header.seq) not in ckpt_pending
+            else:  # a checkpoint from before pending deltas were recorded
+                covered = header.seq <= rec.last_seq_applied
+            if covered:
                 path.unlink(missing_ok=True)
                 continue
             frag = self.fragments[header.fragment]
@@ -506,6 +554,40 @@ class OuterState:
             replayed += 1
         if replayed:
             self.metrics.event("journal_replay", deltas=replayed)
+
+    def _replay_merges(self, journal: dict) -> None:
+        """Re-apply, in order, the merges recorded after the checkpoint; consumes their deltas
+        from ``journal``. Each record was durable before its merge was applied, and the deltas
+        it names stay journaled until a checkpoint covers the record."""
+        assert self.state_dir is not None
+        for path in sorted((self.state_dir / "merges").glob("*.json")):
+            record = json.loads(path.read_text())
+            if record["version"] <= self.version:
+                path.unlink(missing_ok=True)  # covered by the checkpoint
+                continue
+            if record["version"] != self.version + 1:
+                raise RuntimeError(f"merge journal skips from version {self.version} to {record['version']} ({path})")
+            frag = self.fragments[record["fragment"]]
+            kept = []
+            for learner_id, seq in record["deltas"]:
+                if (learner_id, seq) not in journal:
+                    raise RuntimeError(f"merge record {path.name} names delta ({learner_id}, {seq}), missing from the journal")
+                _, header, payload = journal.pop((learner_id, seq))
+                tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
+                kept.append((learner_id, seq, header.tokens, tensors))
+                rec = self.learners.setdefault(learner_id, LearnerRecord())
+                rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
+                rec.accepted += 1
+                rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
+            for learner_id, seq in record["dropped"]:
+                if journal.pop((learner_id, seq), None) is not None:
+                    rec = self.learners.setdefault(learner_id, LearnerRecord())
+                    rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
+                    rec.refused += 1
+            self._apply(frag, kept, record["weights"], record["fraction"])
+            self.metrics.event(
+                "merge_replayed", version=self.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
+            )
 
     # ----------------------------------------------------------------- status
     def status(self) -> outer_pb2.OuterStatus:
