@@ -103,7 +103,7 @@ class ChaosController:
 
     # ------------------------------------------------------------------ actions
     def _event(self, phase: str, fid: int, fault: Fault, target: str, **extra) -> None:
-        fields = {"phase": phase, "fault_id": fid, "kind": fault.kind, "target": target, "at_s": round(self.now(), 3)}
+        fields = {"phase": phase, "fault_id": fid, "fault_kind": fault.kind, "target": target, "at_s": round(self.now(), 3)}
         if target.startswith("learner:"):
             fields["learner"] = int(target.split(":")[1])
         self.metrics.event("fault", **fields, **extra)

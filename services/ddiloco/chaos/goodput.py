@@ -111,11 +111,11 @@ def account(events: list[dict], learners: int = 0) -> dict:
             incs[lid].append(Incarnation(lid, e["t"], int(e.get("first_seq", 1)), last_t=e["t"]))
             continue
         if kind == "fault" and lid is not None:
-            if e.get("kind") == "kill" and e.get("phase") == "inject":
+            if e.get("fault_kind") == "kill" and e.get("phase") == "inject":
                 kills[lid].append(e["t"])
-            elif e.get("kind") == "freeze" and e.get("phase") == "inject":
+            elif e.get("fault_kind") == "freeze" and e.get("phase") == "inject":
                 frozen_since[lid] = e["t"]
-            elif e.get("kind") == "freeze" and e.get("phase") == "recover" and lid in frozen_since:
+            elif e.get("fault_kind") == "freeze" and e.get("phase") == "recover" and lid in frozen_since:
                 freezes[lid].append((frozen_since.pop(lid), e["t"]))
             continue
         if kind == "delta_accepted":

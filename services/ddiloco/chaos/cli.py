@@ -1,0 +1,152 @@
+"""``ddiloco chaos``: train with faults injected on a schedule or at random.
+
+Local processes (default): starts the whole job like ``ddiloco run`` (same run flags) and
+plays the faults against it::
+
+    ddiloco chaos --learners 4 --max-seconds 300 --kill-every 60s --target learner --restart-after 20s \\
+        --fault kill:outer@90s+3s --out runs/chaos
+
+Docker: attaches to a running Compose project's containers and plays the faults against
+them until the coordinator's container exits::
+
+    ddiloco chaos --backend docker --project ddiloco --kill-every 60s --target learner --restart-after 20s
+
+Every fault is logged into the run's ``metrics.jsonl`` (event ``fault``); the report gains
+``goodput`` and ``waste`` (see ``ddiloco.chaos.goodput``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from ddiloco.chaos.faults import Fault, Schedule, check_target, parse_duration, parse_fault, periodic, random_faults
+from ddiloco.common.cliargs import apply_env_defaults
+from ddiloco.common.runflags import add_run_flags, forward_run_flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["local", "docker"], default="local")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="local: run folder (default: runs/chaos-<time>)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="local: learners' device")
+    parser.add_argument("--quiet", action="store_true", help="local: no progress lines")
+    g = parser.add_argument_group("faults")
+    g.add_argument("--kill-every", type=parse_duration, default=None, metavar="DUR", help="kill --target every DUR (e.g. 60s)")
+    g.add_argument("--target", default="learner", help="target of --kill-every: learner, learner:ID, outer, coordinator")
+    g.add_argument("--restart-after", type=parse_duration, default=parse_duration("20s"), metavar="DUR",
+                   help="restart a killed service after DUR (inf: never)")
+    g.add_argument("--freeze-every", type=parse_duration, default=None, metavar="DUR", help="SIGSTOP --freeze-target every DUR")
+    g.add_argument("--freeze-for", type=parse_duration, default=parse_duration("15s"), metavar="DUR", help="SIGCONT after DUR")
+    g.add_argument("--freeze-target", default="learner")
+    g.add_argument("--fault", action="append", default=[], metavar="KIND:TARGET@AT[+DUR]",
+                   help="one fault, e.g. kill:outer@90s+3s, freeze:learner:1@30s+15s, partition:dc2@60s+20s (repeatable)")
+    g.add_argument("--random-rate", type=float, default=0.0, metavar="PER_MIN", help="random faults per minute (Poisson)")
+    g.add_argument("--random-kinds", default="kill", help="comma-separated kinds for random faults")
+    g.add_argument("--random-targets", default="learner", help="comma-separated targets for random faults")
+    g.add_argument("--random-duration", type=parse_duration, default=parse_duration("20s"), metavar="DUR")
+    g.add_argument("--chaos-seed", dest="chaos_seed", type=int, default=0, help="seed of random faults and of learner choice")
+    g.add_argument("--until", type=parse_duration, default=None, metavar="DUR",
+                   help="schedule faults up to DUR into the run (default: the run's --max-seconds, or 1h)")
+    d = parser.add_argument_group("docker backend")
+    d.add_argument("--project", default="ddiloco", help="Compose project whose containers to target")
+    d.add_argument("--run-dir", type=pathlib.Path, default=None,
+                   help="host path of the run folder for fault events (default: the project's run volume)")
+    add_run_flags(parser)
+    apply_env_defaults(parser)
+
+
+def build_schedule(args: argparse.Namespace, horizon_s: float) -> Schedule:
+    until = args.until if args.until is not None else horizon_s
+    faults: list[Fault] = []
+    try:
+        if args.kill_every:
+            check_target("kill", args.target)
+            faults += periodic("kill", args.target, args.kill_every, args.restart_after, until)
+        if args.freeze_every:
+            check_target("freeze", args.freeze_target)
+            faults += periodic("freeze", args.freeze_target, args.freeze_every, args.freeze_for, until)
+        faults += [parse_fault(s) for s in args.fault]
+        if args.random_rate > 0:
+            kinds = [k.strip() for k in args.random_kinds.split(",") if k.strip()]
+            targets = [t.strip() for t in args.random_targets.split(",") if t.strip()]
+            for k in kinds:
+                for t in targets:
+                    if not (k == "partition" and t in ("outer", "coordinator")):
+                        check_target(k, t)
+            faults += random_faults(args.random_rate, kinds, targets, args.random_duration, until, args.chaos_seed)
+    except ValueError as exc:
+        raise SystemExit(f"ddiloco chaos: {exc}")
+    return Schedule(faults, seed=args.chaos_seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.backend == "docker":
+        return _main_docker(args)
+    from ddiloco.chaos.run import run_with_chaos
+    from ddiloco.launcher.cli import print_summary
+    from ddiloco.launcher.run import LaunchOptions
+
+    out = args.out or pathlib.Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
+    if args.cfg_max_seconds is None and args.config is None:
+        args.cfg_max_seconds = 150.0
+    horizon = args.cfg_max_seconds if args.cfg_max_seconds is not None else 3600.0
+    schedule = build_schedule(args, horizon)
+    print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
+    learners = args.cfg_learners if args.cfg_learners is not None else 4
+    options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, device=args.device,
+                            progress=not args.quiet)
+    result = run_with_chaos(options, schedule)
+    if result.report is not None:
+        print_summary(result.report, sys.stdout)
+        _print_goodput(result.report, out)
+    for err in result.fault_errors:
+        print(f"fault not injected: {err}", file=sys.stderr)
+    for name, code in result.failures.items():
+        print(f"service {name} failed with exit code {code}; see {out}/logs/", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def _print_goodput(report: dict, out: pathlib.Path) -> None:
+    from ddiloco.chaos.audit import audit_run
+
+    a = audit_run(out).summary()
+    print("\n| goodput | lost in crash | refused stale | waiting | restarting | acked deltas lost | applied twice |")
+    print("|---|---|---|---|---|---|---|")
+    w = report.get("waste", {})
+    print(
+        f"| {report.get('goodput', float('nan')):.3f} | {w.get('lost_in_crash', 0):.3f} | {w.get('refused_stale', 0):.3f} | "
+        f"{w.get('waiting', 0):.3f} | {w.get('restarting', 0):.3f} | {a['acked_deltas_lost']} | {a['deltas_applied_twice']} |"
+    )
+    print(f"\nrun folder: {out}")
+
+
+def _main_docker(args: argparse.Namespace) -> int:
+    from ddiloco.chaos.controller import ChaosController
+    from ddiloco.chaos.dockerbackend import DockerBackend, DockerUnavailable
+    from ddiloco.common.metrics import MetricsLog
+
+    try:
+        backend = DockerBackend.for_compose_project(args.project)
+    except DockerUnavailable as exc:
+        print(f"ddiloco chaos: {exc}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or backend.run_volume_path()
+    if run_dir is None:
+        print("ddiloco chaos: no --run-dir and no run volume found for fault events", file=sys.stderr)
+        return 2
+    horizon = args.cfg_max_seconds if args.cfg_max_seconds is not None else 3600.0
+    schedule = build_schedule(args, horizon)
+    print(f"chaos schedule: {schedule.describe()}\nfault events -> {run_dir}/metrics.jsonl", file=sys.stderr)
+    controller = ChaosController(schedule, backend, MetricsLog(run_dir / "metrics.jsonl", "chaos"))
+    controller.start()
+    try:
+        while controller.thread.is_alive() and not backend.run_over():
+            controller.thread.join(1.0)
+    except KeyboardInterrupt:
+        pass
+    controller.stop(undo=True)
+    print(json.dumps({"injected": controller.injected, "errors": controller.errors}))
+    return 0 if not controller.errors else 1
