@@ -162,14 +162,16 @@ class CoordinatorService:
                 stop=self.stop_event,
             )
         self.members.finish()
-        self.report = build_report(self.config, self.members, final)
+        self.report = build_report(self.config, self.members, final, self.options.run_dir)
         if self.options.run_dir is not None:
             write_json(self.options.run_dir / "report.json", self.report)
         self.metrics.event("finished", final_eval_loss=final.final_eval_loss, outer_steps=final.status.outer_steps)
         self.finished.set()
 
 
-def build_report(config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse) -> dict:
+def build_report(
+    config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse, run_dir: pathlib.Path | None = None
+) -> dict:
     st = final.status
     merged = {m.learner_id: m for m in st.learners}
     learners = []
@@ -194,7 +196,7 @@ def build_report(config: RunConfig, members: Membership, final: outer_pb2.Finali
                 "wall_seconds": round(s["wall_seconds"], 3),
             }
         )
-    return {
+    report = {
         "run_id": config.run_id,
         "state": STATE_NAMES[members.state],
         "initial_eval_loss": st.initial_eval_loss,
@@ -210,3 +212,13 @@ def build_report(config: RunConfig, members: Membership, final: outer_pb2.Finali
         "model_parameters": st.model_parameters,
         "learners": learners,
     }
+    # --- goodput accounting (owned by ddiloco.chaos.goodput): goodput in [0, 1], waste by
+    # cause, per-learner detail; a pure function of the run's metrics.jsonl.
+    if run_dir is not None:
+        from ddiloco.chaos.goodput import report_fields
+
+        try:
+            report.update(report_fields(run_dir, config.learners))
+        except Exception:  # accounting must never cost the run its report
+            log.exception("goodput accounting failed")
+    return report
