@@ -1,0 +1,190 @@
+"""Static checks of the Docker deployment: schema, lint and invariants. No engine needed."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shutil
+
+import pytest
+
+from docker_helpers import COMPOSE_FILE, DOCKERFILES, ROOT, STACK_FILE, run, skip_or_fail, tool
+from ddiloco.wan.profiles import load_profiles
+
+try:
+    import yaml
+except ImportError:  # a test dependency; skip_or_fail below says so
+    yaml = None
+
+SHAPING_ENV = "DDILOCO_WAN_PROFILE"
+
+
+def load(path):
+    if yaml is None:
+        skip_or_fail("pyyaml is not installed (pip install '.[test]')")
+    # PyYAML resolves the anchors and << merge keys, as Compose does.
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return load(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return load(STACK_FILE)
+
+
+def env_of(svc: dict) -> dict:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
+    return env
+
+
+# -- schema and lint ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", [COMPOSE_FILE, STACK_FILE], ids=lambda p: p.name)
+def test_validates_against_the_compose_spec_schema(path):
+    # check-jsonschema bundles the Compose specification's schema: this runs offline.
+    run(tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    # Any ignored rule carries a `# hadolint ignore=` comment with its reason in the file.
+    run(tool("hadolint"), str(dockerfile))
+
+
+def test_every_hadolint_ignore_is_justified():
+    for dockerfile in DOCKERFILES:
+        lines = dockerfile.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if "hadolint ignore=" in line:
+                rules = line.split("ignore=")[1].split(",")
+                context = "\n".join(lines[max(0, i - 4):i])
+                for rule in rules:
+                    assert rule.strip() in context, f"{dockerfile.name}:{i + 1}: {rule} ignored without a reason above it"
+
+
+def test_compose_config_resolves():
+    # Semantic checks beyond the schema: anchors, interpolation, profiles, depends_on targets.
+    compose = shutil.which("docker") and run("docker", "compose", "version", check=False).returncode == 0
+    if not compose:
+        skip_or_fail("no `docker compose` on this machine (docker/engine.sh installs it)")
+    for profile in ("lan", "wan", "wan-slow", "wan-mixed"):
+        out = run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--services").stdout
+        assert {"coordinator", "outer"} <= set(out.split())
+
+
+# -- invariants -----------------------------------------------------------------------------
+
+def test_every_service_healthy_target_has_a_healthcheck(compose):
+    services = compose["services"]
+    targets = 0
+    for name, svc in services.items():
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown service {dep}"
+            if cond.get("condition") == "service_healthy":
+                targets += 1
+                hc = services[dep].get("healthcheck")
+                assert hc and not hc.get("disable"), f"{name} waits for {dep} to be healthy, but {dep} has no healthcheck"
+                assert hc["test"][:3] == ["CMD", "ddiloco", "health"], f"{dep}'s healthcheck is not `ddiloco health`"
+    assert targets >= 2  # outer waits for the coordinator, learners for the outer
+
+
+def test_every_long_running_service_has_a_grpc_healthcheck(compose, stack):
+    for doc in (compose, stack):
+        for name, svc in doc["services"].items():
+            if svc.get("command", [""])[0] in ("coordinator", "outer", "learner"):
+                port = {"coordinator": "50051", "outer": "50052", "learner": "50060"}[svc["command"][0]]
+                assert svc["healthcheck"]["test"] == ["CMD", "ddiloco", "health", f"127.0.0.1:{port}"], name
+
+
+def test_every_shaping_service_has_net_admin_and_starts_as_root(compose, stack):
+    shaping = 0
+    for doc in (compose, stack):
+        for name, svc in doc["services"].items():
+            if SHAPING_ENV in env_of(svc):
+                shaping += 1
+                assert "NET_ADMIN" in (svc.get("cap_add") or []), f"{name} shapes traffic without NET_ADMIN"
+                # the image's user is unprivileged; tc needs root, which the entrypoint then drops
+                assert str(svc.get("user", "")).split(":")[0] in ("0", "root"), f"{name} cannot run tc as non-root"
+            else:
+                assert "NET_ADMIN" not in (svc.get("cap_add") or []), f"{name} has NET_ADMIN but shapes nothing"
+    assert shaping >= 5
+
+
+def test_every_profile_maps_to_a_defined_bandwidth_profile(compose):
+    bandwidth = set(load_profiles())
+    compose_profiles = {p for svc in compose["services"].values() for p in svc.get("profiles", [])}
+    tools = {"tools"}  # one-shot helpers, not a run
+    assert compose_profiles - tools <= bandwidth, f"compose profiles without a bandwidth profile: {compose_profiles - tools - bandwidth}"
+    assert bandwidth <= compose_profiles, f"bandwidth profiles without compose learners: {bandwidth - compose_profiles}"
+    for name, svc in compose["services"].items():
+        env = env_of(svc)
+        if SHAPING_ENV in env:
+            assert svc.get("profiles") == [env[SHAPING_ENV]], f"{name}: profile {svc.get('profiles')} shapes as {env[SHAPING_ENV]}"
+
+
+def test_each_profile_has_one_learner_per_datacenter_on_its_own_link(compose):
+    networks = compose["networks"]
+    default_learners = re.search(r"--learners=\$\{DDILOCO_LEARNERS:-(\d+)\}", " ".join(compose["services"]["coordinator"]["command"]))
+    assert default_learners, "the coordinator's learner count must come from DDILOCO_LEARNERS"
+    n = int(default_learners.group(1))
+    by_profile: dict[str, list[str]] = {}
+    for name, svc in compose["services"].items():
+        env = env_of(svc)
+        if SHAPING_ENV in env:
+            dc = env["DDILOCO_DATACENTER"]
+            assert svc["networks"] == [dc], f"{name} is in {dc} but on {svc['networks']}"
+            assert dc in compose["services"]["outer"]["networks"], f"the outer optimizer cannot reach {dc}"
+            by_profile.setdefault(env[SHAPING_ENV], []).append(dc)
+    for profile, dcs in by_profile.items():
+        assert sorted(dcs) == [f"dc{i}" for i in range(n)], f"{profile}: datacenters {dcs}, expected {n}"
+    assert set(networks) >= {f"dc{i}" for i in range(n)}
+
+
+def test_plain_up_selects_the_lan_profile():
+    # `docker compose up` without --profile reads COMPOSE_PROFILES from .env
+    env = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+    assert env["COMPOSE_PROFILES"] == "lan"
+
+
+@pytest.mark.parametrize("path", [COMPOSE_FILE, STACK_FILE], ids=lambda p: p.name)
+def test_every_network_has_an_explicit_subnet(path):
+    doc = load(path)
+    assert doc.get("networks"), "no networks: services would land on an automatic subnet"
+    for name, net in doc["networks"].items():
+        configs = (net or {}).get("ipam", {}).get("config", [])
+        assert configs, f"network {name} has no explicit subnet"
+        for cfg in configs:
+            subnet = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", cfg["subnet"])  # the default
+            ipaddress.ip_network(subnet)
+    for name, svc in doc["services"].items():
+        # no service may fall back to Compose's implicit default network
+        assert svc.get("networks") or svc.get("network_mode") == "none", f"{name} would join the default network"
+
+
+def test_run_output_lives_in_a_named_volume(compose, stack):
+    for doc in (compose, stack):
+        assert "run" in doc["volumes"]
+        for name, svc in doc["services"].items():
+            assert "run:/data/run" in svc.get("volumes", []), name
+
+
+def test_stack_waits_where_swarm_ignores_depends_on(stack):
+    svcs = stack["services"]
+    assert env_of(svcs["outer"])["DDILOCO_WAIT_FOR"] == "coordinator:50051"
+    assert env_of(svcs["learner"])["DDILOCO_WAIT_FOR"] == "outer:50052"
+    assert env_of(svcs["learner"])["DDILOCO_TASK_SLOT"] == "{{.Task.Slot}}"
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = (ROOT / ".dockerignore").read_text().split()
+    assert lines[0] == "**" or "**" in lines  # deny by default, then allow what the image needs
+    for needed in ("!pyproject.toml", "!services/", "!docker/entrypoint.sh", "!docker/wheels/"):
+        assert needed in lines
