@@ -35,6 +35,12 @@ CLIENT_OPTIONS = KEEPALIVE_OPTIONS + [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),  # retries are explicit, see call_with_retry
+    # A peer that restarts (same address) must be found again within a couple of seconds;
+    # gRPC's default reconnect backoff grows to 120 s, which left a learner's upload waiting
+    # ~10 s after a restarted outer optimizer was already serving.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
