@@ -109,8 +109,10 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 
 
 def training_span(events: list[dict]) -> tuple[float, float] | None:
-    """From the first learner's registration to the end of the run (wall times)."""
-    starts = [e["t"] for e in events if e.get("event") == "learner_registered"]
+    """From the first learner's start of training (after its start-up: data, model, first
+    pull) to the end of the run (wall times); registration if no learner started."""
+    starts = [e["t"] for e in events if e.get("event") == "learner_start"]
+    starts = starts or [e["t"] for e in events if e.get("event") == "learner_registered"]
     ends = [e["t"] for e in events if e.get("event") == "finished"]
     if not starts:
         return None
