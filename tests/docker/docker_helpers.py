@@ -40,8 +40,9 @@ def tool(name: str) -> str:
 
 def run(*args: str, check: bool = True, timeout: float = 120, env: dict | None = None,
         input: str | None = None) -> subprocess.CompletedProcess[str]:
+    merged = {**os.environ, **(env or {})}  # a None value unsets the variable
     proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})}, input=input)
+                          env={k: v for k, v in merged.items() if v is not None}, input=input)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"`{' '.join(args)}` exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
