@@ -1,0 +1,111 @@
+"""bench/quality.py --quick end to end (real runs of two methods at both budgets; the JSON's
+shape, not its numbers), and the row arithmetic on rows whose answers are known."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROW_KEYS = {"method", "budget", "budget_tokens", "final_eval_loss", "final_eval_accuracy", "tokens",
+            "bytes_exchanged", "wall_seconds", "compute_seconds", "diverged"}
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("quality_bench", ROOT / "bench" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quality")
+    # two of the six methods keep this test short: one baseline (single) and one ddiloco row
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "quality.py"), "--quick", "--methods", "single,ddiloco-int8",
+         "--results-dir", str(tmp / "results"), "--runs-dir", str(tmp / "runs")],
+        capture_output=True, text=True, timeout=600,
+    )
+    return proc, tmp
+
+
+def test_quick_run_writes_table_json_and_png(quick_run):
+    proc, tmp = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| method | budget |" in proc.stdout and "| target (at 4N) |" in proc.stdout
+    data = json.loads((tmp / "results" / "quality-quick.json").read_text())
+    assert set(data) >= {"config", "rows", "targets", "curves"}
+    cfg = data["config"]
+    assert cfg["learners"] == 4 and cfg["budgets"]["4N"] == 4 * cfg["budgets"]["N"]
+    assert cfg["run_config"]["learner"]["inner_steps"] == cfg["inner_steps"]
+    assert cfg["git_rev"]
+    rows = data["rows"]
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("single", "N"), ("ddiloco-int8", "N"), ("single", "4N"), ("ddiloco-int8", "4N")]
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["tokens"] >= r["budget_tokens"]  # every run trains at least its budget
+        assert isinstance(r["final_eval_loss"], float)
+    assert rows[0]["bytes_exchanged"] == 0  # a single learner exchanges nothing
+    assert rows[1]["bytes_exchanged"] > 0 and rows[1]["merges"] > 0
+    for key in ("single/N", "ddiloco-int8/4N"):
+        assert len(data["curves"][key]) >= 2  # at least the initial and the final evaluation
+    assert {t["target"] for t in data["targets"]} >= {"fast_learner_tokens_per_s_ratio", "no ddiloco run diverged"}
+    png = tmp / "results" / "quality-quick.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(method, budget, loss, learners=None, tokens=1000):
+    return {"method": method, "budget": budget, "final_eval_loss": loss, "tokens": tokens, "diverged": False,
+            **({"learners": learners} if learners is not None else {})}
+
+
+def test_slow_ratio_and_gaps_from_known_rows():
+    q = _load_bench()
+    fast = lambda rate: {"tokens": 100, "tokens_per_s": rate, "tokens_per_compute_s": 2 * rate, "slow": False}  # noqa: E731
+    slow = {"tokens": 30, "tokens_per_s": 1.0, "tokens_per_compute_s": 3.0, "slow": True}
+    base = {str(i): fast(10.0) for i in range(4)}
+    slowed = {"0": fast(9.0), "1": fast(10.0), "2": fast(11.5), "3": slow}
+    rows = [
+        _row("dp", "N", 2.0), _row("ddiloco-int8", "N", 2.2, base), _row("ddiloco-int8-slow", "N", 2.31, slowed, 330),
+        _row("dp", "4N", 1.6), _row("diloco-sync", "4N", 1.7), _row("ddiloco-int8", "4N", 1.7, base),
+        _row("ddiloco-int4", "4N", 1.71), _row("ddiloco-int8-slow", "4N", 1.7, slowed, 330),
+    ]
+    q.add_comparisons(rows)
+    s = rows[2]
+    assert s["fast_learner_tokens_per_s_ratio"] == pytest.approx((9 + 10 + 11.5) / 3 / 10, abs=1e-4)
+    assert s["fast_learner_tokens_per_compute_s_ratio"] == pytest.approx((9 + 10 + 11.5) / 3 / 10, abs=1e-4)
+    assert s["slow_learner_token_share"] == pytest.approx(30 / 330, abs=1e-4)
+    assert rows[1]["loss_vs_dp"] == pytest.approx(0.1)
+    by = {t["target"]: t for t in q.targets(rows)}
+    assert by["ddiloco-int8 vs diloco-sync (relative loss)"]["met"] is True  # equal losses
+    assert by["ddiloco-int4 vs ddiloco-int8 (relative loss)"]["met"] is False  # +0.59% > 0.5%
+    assert by["ddiloco-int8 vs dp at 4N (relative loss)"]["value"] == pytest.approx(0.0625)
+    assert by["ddiloco-int8 vs dp at 4N (relative loss)"]["met"] is False
+    assert by["gap to dp shrinks from N to 4N (gap 4N - gap N)"]["met"] is True  # 6.25% < 10%
+    assert by["fast_learner_tokens_per_s_ratio"]["met"] is True
+
+
+def test_eval_curve_maps_versions_to_merged_tokens():
+    q = _load_bench()
+    events = [
+        {"event": "eval", "version": 0, "eval_loss": 5.5},
+        {"event": "merge", "version": 1, "tokens_merged": 400},
+        {"event": "merge", "version": 2, "tokens_merged": 1000},
+        {"event": "eval", "version": 2, "eval_loss": 3.0},
+        {"event": "eval", "version": 7, "tokens": 4096, "eval_loss": 2.5},  # dp events carry tokens
+    ]
+    assert q.eval_curve(events) == [(0, 5.5), (1000, 3.0), (4096, 2.5)]
+
+
+def test_unknown_method_is_a_clear_error():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--methods", "dp,allreduce"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown ['allreduce']" in proc.stderr
