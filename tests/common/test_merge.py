@@ -105,3 +105,20 @@ def test_naive_per_arrival_steps_move_m_times_too_far():
 def test_invalid_fraction_is_refused():
     with pytest.raises(ValueError):
         merge.WorkClockNesterov().step([torch.zeros(1)], [torch.zeros(1)], 0.0)
+
+
+def test_staleness_shortens_the_momentum_memory_and_zero_staleness_changes_nothing():
+    g = torch.ones(1)
+    fresh, stale, plain = (merge.WorkClockNesterov(0.7, 0.9) for _ in range(3))
+    pf, ps, pp = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    fresh.step([pf], [g], 0.25, staleness=0.0)
+    plain.step([pp], [g], 0.25)
+    stale.step([ps], [g], 0.25, staleness=1.0)
+    assert torch.equal(pf, pp)
+    # second step: the buffer decayed by 0.9 ** (0.25 * 2) instead of 0.9 ** 0.25
+    fresh.step([pf], [g], 0.25, staleness=0.0)
+    stale.step([ps], [g], 0.25, staleness=1.0)
+    assert stale.buffers[0].item() == pytest.approx(0.25 * 0.9**0.5 + 0.25)
+    assert fresh.buffers[0].item() == pytest.approx(0.25 * 0.9**0.25 + 0.25)
+    with pytest.raises(ValueError):
+        stale.step([ps], [g], 0.25, staleness=-1.0)

@@ -65,7 +65,7 @@ class LearnerConfig:
     # Synchronous DiLoCo: wait for the merged global parameters after each upload and
     # restart from them exactly. Off for Decoupled DiLoCo.
     sync: bool = False
-    pull_poll_s: float = 0.5
+    pull_poll_s: float = 0.1  # status polls are tiny; a fresh global soon after each merge keeps staleness low
     # Dynamic local updates: a learner slower than its peers syncs after proportionally fewer
     # steps, so every learner sends at about the same wall-clock rate.
     dynamic_local_updates: bool = False
@@ -84,6 +84,9 @@ class OuterConfig:
     # Off reproduces the naive recipe (a full synchronous outer step per arrival), which
     # diverges; kept only to measure that.
     work_clock: bool = True
+    # Momentum decays faster by this times the merged deltas' staleness, in rounds
+    # (see WorkClockNesterov.step); 0 turns the compensation off.
+    staleness_gain: float = 2.0
     # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
     # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
     overlap_steps: int = 2

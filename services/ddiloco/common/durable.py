@@ -3,9 +3,13 @@ target, fsync the folder. A crash at any moment leaves either the old or the new
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
+import threading
+
+_unique = itertools.count()
 
 
 def fsync_dir(path: pathlib.Path) -> None:
@@ -18,7 +22,8 @@ def fsync_dir(path: pathlib.Path) -> None:
 
 def write_bytes(path: pathlib.Path, data: bytes) -> None:
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # unique per write: two threads saving the same file must not share a temporary
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{next(_unique)}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()

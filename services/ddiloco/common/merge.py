@@ -128,12 +128,24 @@ class WorkClockNesterov:
         self.buffers: list[torch.Tensor] | None = None
 
     @torch.no_grad()
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], fraction: float) -> None:
+    def step(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], fraction: float, staleness: float = 0.0
+    ) -> None:
+        """``staleness``: mean rounds of other work merged since the deltas' base versions.
+
+        Asynchrony begets momentum (Mitliagkas et al., 2016): stale pseudo-gradients already
+        carry the model's recent motion, acting as implicit momentum on top of the explicit
+        one. The buffer therefore decays by ``momentum ** (fraction * (1 + staleness))``:
+        with no staleness (synchronous merges) this is the plain work clock; under
+        asynchrony the explicit momentum shrinks by as much as the delay adds.
+        """
         if not math.isfinite(fraction) or fraction <= 0:
             raise ValueError(f"work fraction must be positive and finite, got {fraction}")
+        if not math.isfinite(staleness) or staleness < 0:
+            raise ValueError(f"staleness must be non-negative and finite, got {staleness}")
         if self.buffers is None:
             self.buffers = [torch.zeros_like(p) for p in params]
-        decay = self.momentum**fraction
+        decay = self.momentum ** (fraction * (1.0 + staleness))
         for p, g, buf in zip(params, grads, self.buffers):
             buf.mul_(decay).add_(g, alpha=fraction)
             if self.momentum == 0:

@@ -70,6 +70,7 @@ class Membership:
         self.clock = clock
         self.state_path = state_path
         self.lock = threading.RLock()
+        self._save_lock = threading.Lock()  # keeps saves in order: a stale view never overwrites a newer one
         self.members: dict[int, MemberRecord] = {}
         self.outer_address = ""
         self.state = coordinator_pb2.RUN_STATE_WAITING
@@ -219,7 +220,7 @@ class Membership:
     def save(self) -> None:
         if self.state_path is None:
             return
-        with self.lock:
+        with self._save_lock, self.lock:
             doc = {
                 "run_id": self.config.run_id,
                 "state": self.state,
@@ -239,8 +240,8 @@ class Membership:
                     for r in self.members.values()
                 ],
             }
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(self.state_path, doc)
+            self.state_path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(self.state_path, doc)
 
     def _load(self) -> None:
         assert self.state_path is not None

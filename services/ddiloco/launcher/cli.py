@@ -42,7 +42,7 @@ def _topology_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ddiloco.launcher.run import LaunchOptions, launch
+    from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
     from ddiloco.launcher.topology import TopologyOptions
 
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -70,17 +70,17 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ddiloco run: {exc}", file=sys.stderr)
         return 2
+    errors: tuple[type[Exception], ...] = (RunFolderInUse,)
     if args.topology == "netns":
         from ddiloco.netns.topology import NetnsError
         from ddiloco.wan.tc import TcError
 
-        try:
-            result = launch(options)
-        except (NetnsError, TcError) as exc:
-            print(f"ddiloco run: {exc}", file=sys.stderr)
-            return 2
-    else:
+        errors += (NetnsError, TcError)
+    try:
         result = launch(options)
+    except errors as exc:
+        print(f"ddiloco run: {exc}", file=sys.stderr)
+        return 2
     if result.report is not None:
         print_summary(result.report, sys.stdout)
         if "links" in result.report:

@@ -40,7 +40,14 @@ class LaunchResult:
         return self.report is not None and not self.failures
 
 
+class RunFolderInUse(Exception):
+    pass
+
+
 def launch(options: LaunchOptions) -> LaunchResult:
+    if (options.out / "report.json").exists():
+        # the coordinator would resume the finished run's state and refuse every learner
+        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out")
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
     # the topology is torn down on leaving this block, however it is left (netns: also on

@@ -324,8 +324,9 @@ class OuterState:
             if kept:
                 weights = merge.token_weights(infos)
                 fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
-                self._journal_merge(frag, kept, dropped, weights, fraction)  # durable before it is applied
-                self._apply(frag, [(p.learner_id, p.seq, p.tokens, p.tensors) for p in kept], weights, fraction)
+                mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
+                self._journal_merge(frag, kept, dropped, weights, fraction, mean_staleness)  # durable before it is applied
+                self._apply(frag, [(p.learner_id, p.seq, p.tokens, p.tensors) for p in kept], weights, fraction, mean_staleness)
                 self.metrics.event(
                     "merge",
                     version=self.version,
@@ -345,13 +346,20 @@ class OuterState:
             self.checkpoint()
         return bool(kept)
 
-    def _apply(self, frag: Fragment, kept: list[tuple[int, int, int, list[torch.Tensor]]], weights: list[float], fraction: float) -> None:
+    def _apply(
+        self,
+        frag: Fragment,
+        kept: list[tuple[int, int, int, list[torch.Tensor]]],
+        weights: list[float],
+        fraction: float,
+        staleness: float = 0.0,
+    ) -> None:
         """One outer step on ``frag`` from (learner, seq, tokens, tensors) deltas; bumps versions."""
         fragment = frag.index
         params = [self.params[i] for i in frag.tensor_ids]
         plain = [self.plain_average[i] for i in frag.tensor_ids]
         direction = merge.combine([t for _, _, _, t in kept], weights, self.config.outer.merge_rule, plain)
-        frag.optimizer.step(params, direction, fraction)
+        frag.optimizer.step(params, direction, fraction, staleness)
         frag.version += 1
         self.version += 1
         self.outer_steps += 1
@@ -366,7 +374,10 @@ class OuterState:
         frag.own_at_version[frag.version] = {k: r.tokens_merged.get(fragment, 0) for k, r in self.learners.items()}
         self._prune_versions(frag)
 
-    def _journal_merge(self, frag: Fragment, kept: list[Pending], dropped: list[list[int]], weights: list[float], fraction: float) -> None:
+    def _journal_merge(
+        self, frag: Fragment, kept: list[Pending], dropped: list[list[int]], weights: list[float], fraction: float,
+        staleness: float,
+    ) -> None:
         if self.state_dir is None:
             return
         record = {
@@ -377,6 +388,7 @@ class OuterState:
             "dropped": dropped,
             "weights": list(weights),  # full precision: the replay must be bit-exact
             "fraction": fraction,
+            "staleness": staleness,
         }
         write_json(self.state_dir / "merges" / f"{record['version']:010d}.json", record)
 
@@ -584,7 +596,7 @@ class OuterState:
                     rec = self.learners.setdefault(learner_id, LearnerRecord())
                     rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
                     rec.refused += 1
-            self._apply(frag, kept, record["weights"], record["fraction"])
+            self._apply(frag, kept, record["weights"], record["fraction"], record.get("staleness", 0.0))
             self.metrics.event(
                 "merge_replayed", version=self.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
             )

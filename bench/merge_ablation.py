@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Why the merge is built the way it is: the same 4-learner job, at equal tokens, merged four ways.
+
+* ``sync``: synchronous DiLoCo (every learner waits; the outer step sees all M deltas).
+* ``naive``: asynchronous, a full synchronous outer step per arrival (``--naive-merge``).
+* ``work-clock``: asynchronous, each merge scaled by the fraction of a round it stands for,
+  plain momentum (``--staleness-gain 0``).
+* ``ddiloco``: the default, the work clock plus staleness-compensated momentum.
+
+Asynchronous runs depend on arrival order, so each is repeated; the table shows mean and
+spread. Usage: ``python bench/merge_ablation.py [--quick] [--tokens N] [--repeats R]``.
+Writes ``bench/results/merge_ablation.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "services"))
+
+from ddiloco.launcher.run import LaunchOptions, launch  # noqa: E402
+
+VARIANTS = {
+    "sync": ["--sync", "--quorum", "4"],
+    "naive": ["--naive-merge"],
+    "work-clock": ["--staleness-gain", "0"],
+    "ddiloco": [],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: tiny budget, one repeat")
+    parser.add_argument("--tokens", type=int, default=600_000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "merge_ablation.json")
+    args = parser.parse_args()
+    tokens, repeats = (60_000, 1) if args.quick else (args.tokens, args.repeats)
+    base = ["--model", "tiny", "--learners", "4", "--inner-steps", "10", "--batch-size", "8",
+            "--max-tokens", str(tokens), "--max-seconds", "1800", "--eval-interval", "3"]
+    rows = []
+    work = pathlib.Path(tempfile.mkdtemp(prefix="ddiloco-ablation-"))
+    try:
+        for name, flags in VARIANTS.items():
+            for rep in range(1 if name == "sync" else repeats):  # sync does not depend on arrival order
+                out = work / f"{name}-{rep}"
+                t0 = time.time()
+                result = launch(LaunchOptions(out=out, run_flags=base + flags, learners=4, device="cpu", progress=False))
+                if not result.ok:
+                    print(f"{name}: run failed: {result.failures}", file=sys.stderr)
+                    return 1
+                r = result.report
+                rows.append({
+                    "method": name, "repeat": rep, "final_eval_loss": r["final_eval_loss"],
+                    "final_eval_accuracy": r["final_eval_accuracy"], "tokens": r["tokens_trained"],
+                    "outer_steps": r["outer_steps"], "wall_seconds": round(time.time() - t0, 1),
+                })
+                print(f"{name} #{rep}: eval loss {r['final_eval_loss']:.4f}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    sync_loss = next(r["final_eval_loss"] for r in rows if r["method"] == "sync")
+    print("\n| method | runs | final eval loss (mean) | min | max | vs sync |\n|---|---|---|---|---|---|")
+    summary = []
+    for name in VARIANTS:
+        losses = [r["final_eval_loss"] for r in rows if r["method"] == name]
+        mean = statistics.fmean(losses)
+        summary.append({"method": name, "mean_final_eval_loss": mean, "runs": len(losses), "vs_sync": mean / sync_loss - 1})
+        print(f"| {name} | {len(losses)} | {mean:.4f} | {min(losses):.4f} | {max(losses):.4f} | {mean / sync_loss - 1:+.1%} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"config": {"tokens": tokens, "repeats": repeats, "flags": base}, "rows": rows,
+                                    "summary": summary}, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
