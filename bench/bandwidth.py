@@ -54,7 +54,7 @@ import quality  # noqa: E402  (the quality bench: its presets and ddiloco flags 
 
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
 DDILOCO = [m for m in METHODS if m.startswith("ddiloco")]
-DEFAULT_FRAGMENTS = 4
+DEFAULT_FRAGMENTS = 8  # P: see docs/wan.md (P = 4 left peak/avg near 2 on this model)
 DP_PORT = 29500  # the rendezvous port inside datacenter 0's fresh namespace: always free there
 
 
@@ -294,6 +294,7 @@ def plot(series: dict[str, dict], rates: dict[str, list], path: pathlib.Path, pr
             ax.plot(s["t"], s["down"], lw=0.9, ls="--", color=line.get_color(), label=f"dc{dc} down")
         for r in sorted({x for x in rates.get(method, []) if x}):
             ax.axhline(r, color="k", lw=0.6, alpha=0.5)
+        ax.set_xlim(left=-2.0)  # start-up before training carries nothing of interest
         ax.set_title(f"{method} ({profile})", fontsize=9)
         ax.set_ylabel("Mbit/s")
         ax.set_yscale("symlog", linthresh=0.1)
@@ -476,16 +477,16 @@ def measure_dp_extrapolated(args, cfg, base: list[str], runs: pathlib.Path, lear
     row.update({
         "extrapolated": True,
         "final_eval_loss": local["final_eval_loss"],
-        "tokens": local["tokens_trained"],
         "_seconds_per_step": seconds_per_step,
         "run_dir": str(runs / "dp"),
         "extrapolation": {
             "shaped_steps": report["optimizer_steps"],
             "shaped_seconds_per_step": round(seconds_per_step, 4),
             "loss_curve_from": str(local_dir),
+            "tokens_full_budget": local["tokens_trained"],
             "rule": "seconds_to_target_loss = steps to the target (unshaped run) x shaped seconds per step; "
-                    "bytes_per_token, link use and compute_utilization from the shaped steps; final_eval_loss from "
-                    "the unshaped run of the full budget",
+                    "tokens, bytes_per_token, link use and compute_utilization from the shaped steps; "
+                    "final_eval_loss from the unshaped run of the full budget",
             "_timeline": (None, sorted(per_step)),
         },
     })

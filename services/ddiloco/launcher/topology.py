@@ -81,7 +81,8 @@ class NetnsTopology:
             return None
         self.session.stop_sampling()
         events = _read_events(out / "metrics.jsonl")
-        links = self.session.links(training_span(events))
+        plan_links = self.session.links()  # addresses, to match learners to datacenters
+        links = self.session.links(training_spans(events, plan_links))
         add_application_counts(links, report, events)
         if report is not None:
             report["links"] = links
@@ -108,16 +109,27 @@ def _read_events(path: pathlib.Path) -> list[dict]:
     return out
 
 
-def training_span(events: list[dict]) -> tuple[float, float] | None:
-    """From the first learner's start of training (after its start-up: data, model, first
-    pull) to the end of the run (wall times); registration if no learner started."""
-    starts = [e["t"] for e in events if e.get("event") == "learner_start"]
-    starts = starts or [e["t"] for e in events if e.get("event") == "learner_registered"]
+def training_spans(events: list[dict], links: dict) -> dict[int, tuple[float, float]] | None:
+    """Per datacenter: from its learner's first step (``learner_start``: after start-up and the
+    first full pull) to the end of the run, in wall times. Learners are matched to
+    datacenters by the address they registered with."""
     ends = [e["t"] for e in events if e.get("event") == "finished"]
-    if not starts:
+    if not ends and not events:
         return None
     end = max(ends) if ends else max(e["t"] for e in events)
-    return (min(starts), end)
+    dc_of_host = {d["address"]: d["datacenter"] for d in links["datacenters"]}
+    dc_of_learner = {}
+    for e in events:
+        if e.get("event") == "learner_registered" and e.get("address"):
+            dc = dc_of_host.get(str(e["address"]).rsplit(":", 1)[0])
+            if dc is not None:
+                dc_of_learner[int(e["learner"])] = dc
+    spans: dict[int, tuple[float, float]] = {}
+    for e in events:
+        if e.get("event") == "learner_start" and int(e.get("learner", -1)) in dc_of_learner:
+            dc = dc_of_learner[int(e["learner"])]
+            spans[dc] = (min(e["t"], spans.get(dc, (e["t"], end))[0]), end)
+    return spans or None
 
 
 def add_application_counts(links: dict, report: dict | None, events: list[dict]) -> None:

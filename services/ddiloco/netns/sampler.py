@@ -120,20 +120,32 @@ class LinkSampler:
         self._proc = None
 
 
-def summarize(plan: Plan, samples: Samples, span: tuple[float, float] | None = None) -> dict:
-    """Start/end counters and per-datacenter average and peak use. ``span`` (wall times)
-    restricts the average and peak to the windows that end inside it (the training span),
-    so that start-up and shut-down do not dilute the average; byte totals are always whole-run."""
+Span = tuple[float, float]
+
+
+def summarize(plan: Plan, samples: Samples, span: Span | dict[int, Span] | None = None) -> dict:
+    """Start/end counters and per-datacenter average and peak use.
+
+    ``span`` (wall times; one for all datacenters, or one per datacenter index) restricts the
+    average and the peak to the windows lying wholly inside it, the training span, so that
+    start-up, the one-off full download at join and shut-down neither dilute the average nor
+    set the peak. Byte totals are always whole-run."""
     first, last = samples.first, samples.last
     if first is None or last is None:
         raise ValueError("no counter readings")
-    windows = samples.windows
-    if span is not None:
-        inside = [w for w in windows if span[0] < w.t <= span[1] + samples_interval(windows)]
-        windows = inside or windows
-    seconds = sum(w.seconds for w in windows)
+    interval = samples_interval(samples.windows)
+
+    def inside(index: int) -> list[Window]:
+        s = span.get(index) if isinstance(span, dict) else span
+        if s is None:
+            return samples.windows
+        chosen = [w for w in samples.windows if w.t - w.seconds >= s[0] - 1e-3 and w.t <= s[1] + interval]
+        return chosen or samples.windows
+
     out = []
     for i, link in enumerate(plan.datacenters):
+        windows = inside(i)
+        seconds = sum(w.seconds for w in windows)
         dev = link.hub_dev
         (tx0, rx0), (tx1, rx1) = first["c"][dev], last["c"][dev]
         up_total, down_total = rx1 - rx0, tx1 - tx0
@@ -165,14 +177,18 @@ def summarize(plan: Plan, samples: Samples, span: tuple[float, float] | None = N
             "peak_down_mbps": peak_down,
             "avg_mbps": max(avg_up, avg_down),
             "peak_mbps": max(peak_up, peak_down),
+            "windows": len(windows),
+            "span_seconds": round(seconds, 3),
+            "span": [round(windows[0].t - windows[0].seconds, 3), round(windows[-1].t, 3)] if windows else None,
         })
     return {
         "counted_at": "hub end of each datacenter link: tx_bytes = hub->dc (down), rx_bytes = dc->hub (up)",
         "source": "/sys/class/net/<dev>/statistics/{tx,rx}_bytes inside the hub namespace",
-        "window_s": round(samples_interval(samples.windows), 4),
-        "windows": len(windows),
-        "span_seconds": round(seconds, 3),
-        "span": list(span) if span else None,
+        "window_s": round(interval, 4),
+        "windows": len(samples.windows),
+        "span_rule": "windows wholly inside each datacenter's training span (first training step to the end of training)"
+        if span is not None else "every window",
+        "span_seconds": max((d["span_seconds"] for d in out), default=0.0),
         "datacenters": out,
         "bytes_total": sum(d["bytes_total"] for d in out),
         "worst_avg_mbps": max((d["avg_mbps"] for d in out), default=0.0),

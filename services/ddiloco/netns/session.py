@@ -15,7 +15,7 @@ import ddiloco
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.netns import registry
 from ddiloco.netns import topology as T
-from ddiloco.netns.sampler import LinkSampler, Samples, summarize
+from ddiloco.netns.sampler import LinkSampler, Samples, Span, summarize
 from ddiloco.wan.profiles import Profile, get_profile
 
 _GUARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -140,7 +140,7 @@ class NetnsSession:
         self.sampler.stop()
         return self.sampler.samples
 
-    def links(self, span: tuple[float, float] | None = None) -> dict:
+    def links(self, span: Span | dict[int, Span] | None = None) -> dict:
         """The ``links`` section of report.json: topology, shaping as read back from the
         kernel, and the counters' summary (call after stop_sampling)."""
         plan = self._require_plan()
