@@ -52,7 +52,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="slower learners sync after proportionally fewer inner steps",
     )
     for flag, dest, typ, help_ in _FLAGS:
-        group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_)
+        metavar = flag.lstrip("-").replace("-", "_").upper()
+        group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_, metavar=metavar)
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
