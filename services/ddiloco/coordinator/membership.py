@@ -141,6 +141,8 @@ class Membership:
                 raise MembershipError("not_found", f"learner {learner_id} left the run; register again")
             rec.last_heartbeat = self.clock()
             rec.stats = stats_to_dict(stats)
+            # alive again (a straggler whose lease had expired): its next death is news again
+            self.dead_announced.discard(learner_id)
             return rec
 
     def leave(self, learner_id: int, stats: common_pb2.LearnerStats) -> None:
