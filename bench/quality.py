@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [("N", preset.budget_tokens), ("4N", 4 * preset.budget_tokens)][: 1 if args.one_budget else 2]
     # ddiloco-int8 runs before ddiloco-int8-slow, which is compared with it
     order = [m for m in METHODS if m in args.method_list]
+    taken = [d.name for b, _ in budgets for m in order if (d := runs / f"{m}-{b}").exists()]
+    if taken:
+        raise SystemExit(f"{runs} already holds run folders {taken}; choose another --runs-dir")
     rows, curves = [], {}
     t_start = time.monotonic()
     for budget_name, budget in budgets:

@@ -1,5 +1,6 @@
 """bench/quality.py --quick end to end (real runs of two methods at both budgets; the JSON's
-shape, not its numbers), and the row arithmetic on rows whose answers are known."""
+shape, not its numbers), that its diloco-sync row really is synchronous DiLoCo, and the row
+arithmetic on rows whose answers are known."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ def _load_bench():
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
-    # two of the six methods keep this test short: one baseline (single) and one ddiloco row
+    # two of the six methods keep this test short: the single learner (the dp code path) and
+    # synchronous DiLoCo (the `ddiloco run` code path, with flags that must make it synchronous)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "quality.py"), "--quick", "--methods", "single,ddiloco-int8",
+        [sys.executable, str(ROOT / "bench" / "quality.py"), "--quick", "--methods", "single,diloco-sync",
          "--results-dir", str(tmp / "results"), "--runs-dir", str(tmp / "runs")],
         capture_output=True, text=True, timeout=600,
     )
@@ -48,18 +50,39 @@ def test_quick_run_writes_table_json_and_png(quick_run):
     assert cfg["git_rev"]
     rows = data["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [
-        ("single", "N"), ("ddiloco-int8", "N"), ("single", "4N"), ("ddiloco-int8", "4N")]
+        ("diloco-sync", "N"), ("single", "N"), ("diloco-sync", "4N"), ("single", "4N")]
     for r in rows:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["tokens"] >= r["budget_tokens"]  # every run trains at least its budget
         assert isinstance(r["final_eval_loss"], float)
-    assert rows[0]["bytes_exchanged"] == 0  # a single learner exchanges nothing
-    assert rows[1]["bytes_exchanged"] > 0 and rows[1]["merges"] > 0
-    for key in ("single/N", "ddiloco-int8/4N"):
+    assert rows[1]["bytes_exchanged"] == 0  # a single learner exchanges nothing
+    assert rows[0]["bytes_exchanged"] > 0 and rows[0]["merges"] > 0
+    for key in ("single/N", "diloco-sync/4N"):
         assert len(data["curves"][key]) >= 2  # at least the initial and the final evaluation
     assert {t["target"] for t in data["targets"]} >= {"fast_learner_tokens_per_s_ratio", "no ddiloco run diverged"}
     png = tmp / "results" / "quality-quick.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_diloco_sync_row_merges_one_window_per_learner_per_round(quick_run):
+    # synchronous DiLoCo is `ddiloco run --sync --quorum M` (no code of its own): each merge
+    # holds the same round from all M learners, based on the current version, and is one full
+    # outer step (work fraction 1) -- except the last, which merges what the drain left
+    proc, tmp = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for budget in ("N", "4N"):
+        events = [json.loads(line) for line in (tmp / "runs" / f"diloco-sync-{budget}" / "metrics.jsonl").read_text().splitlines()]
+        merges = [e for e in events if e["event"] == "merge"]
+        assert len(merges) >= 2
+        for i, m in enumerate(merges, start=1):
+            assert m["version"] == i
+            assert len({seq for _, seq in m["deltas"]}) == 1, m  # one round, not a mix
+            assert all(s == 0.0 for s in m["staleness"]), m
+        for m in merges[:-1]:
+            assert sorted(lid for lid, _ in m["deltas"]) == [0, 1, 2, 3], m
+            assert m["fraction"] == 1.0, m
+        waits = [e for e in events if e["event"] == "sync_wait"]
+        assert len(waits) >= 4 * (len(merges) - 1)  # every learner waited at the barrier each round
 
 
 def _row(method, budget, loss, learners=None, tokens=1000):
