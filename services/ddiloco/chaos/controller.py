@@ -55,6 +55,7 @@ class ChaosController:
         self.lock = threading.Lock()  # actions never overlap, even stop() against the loop
         self.injected = 0
         self.errors: list[str] = []
+        self._next_manual_id = 1000  # ids of faults injected by hand, apart from the schedule's
         self.thread = threading.Thread(target=self.run, name="chaos", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -71,6 +72,28 @@ class ChaosController:
             with self.lock:
                 for target, (fid, fault) in list(self.active.items()):
                     self._recover(fid, fault, target)
+
+    def inject(self, kind: str, target: str) -> int:
+        """Inject one fault now, outside the schedule (tests, interactive use). Returns its id
+        for ``recover``; raises if the backend could not inject it."""
+        with self.lock:
+            if self.t0 is None:
+                self.t0 = time.monotonic()
+            fid = self._next_manual_id
+            self._next_manual_id += 1
+            key = self._inject(fid, Fault(round(self.now(), 3), kind, target))
+            if key is None:
+                raise RuntimeError(f"fault {kind} {target} was not injected: {self.errors[-1:] or 'skipped'}")
+            return fid
+
+    def recover(self, fid: int) -> None:
+        """Undo fault ``fid`` now (restart, thaw, heal)."""
+        with self.lock:
+            for key, (active_id, fault) in list(self.active.items()):
+                if active_id == fid:
+                    self._recover(fid, fault, key)
+                    return
+        raise KeyError(f"fault {fid} is not active")
 
     def now(self) -> float:
         return 0.0 if self.t0 is None else time.monotonic() - self.t0

@@ -20,7 +20,7 @@ import os
 import signal
 from typing import Protocol
 
-from ddiloco.launcher.processes import Cluster, Proc
+from ddiloco.launcher.processes import Cluster, Proc, Site
 from ddiloco.v1 import coordinator_pb2
 
 
@@ -32,6 +32,18 @@ class Partitioner(Protocol):
 
 class FaultError(RuntimeError):
     pass
+
+
+def command_of(proc: Proc) -> tuple[tuple[str, ...], list[str]]:
+    """(prefix that placed it, e.g. ``ip netns exec NS``; the ddiloco arguments), from
+    ``[*prefix, python, -m, ddiloco, <command>, ...]``."""
+    argv = list(proc.popen.args)
+    i = argv.index("-m")
+    return tuple(argv[: i - 1]), argv[i + 2 :]
+
+
+def role_of(proc: Proc) -> str:
+    return command_of(proc)[1][0]
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -58,11 +70,10 @@ class LocalBackend:
     # ------------------------------------------------------------------ lookups
     @staticmethod
     def _args(proc: Proc) -> list[str]:
-        # [python, -m, ddiloco, <command>, ...]
-        return list(proc.popen.args[3:])
+        return command_of(proc)[1]
 
     def _role(self, proc: Proc) -> str:
-        return self._args(proc)[0]
+        return role_of(proc)
 
     def learner_id_of(self, proc: Proc) -> int | None:
         if proc.name in self._learner_ids:
@@ -141,11 +152,12 @@ class LocalBackend:
         if old is None:
             raise FaultError(f"{target} was not killed by this backend")
         args = self._args(old)
-        if target == "coordinator":
-            args = _with_flag(args, "--bind", self.cluster.coordinator_address)
-        elif target == "outer" and self.cluster.outer_address:
-            args = _with_flag(args, "--bind", self.cluster.outer_address)
-        proc = self.cluster.spawn(old.name, args)
+        bind = _flag(args, "--bind") or ""
+        if target in ("coordinator", "outer") and bind.endswith(":0"):  # peers know its port: take it again
+            address = self.cluster.coordinator_address if target == "coordinator" else self.cluster.outer_address
+            if address:
+                args = _with_flag(args, "--bind", f"{bind.rsplit(':', 1)[0]}:{address.rsplit(':', 1)[1]}")
+        proc = self.cluster.spawn(old.name, args, site=Site(wrap=command_of(old)[0]))  # same namespace as before
         if old.name in self._learner_ids:
             self._learner_ids[proc.name] = self._learner_ids[old.name]
         self.restarted.append(proc)

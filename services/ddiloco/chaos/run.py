@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ddiloco.chaos.controller import ChaosController
 from ddiloco.chaos.faults import Schedule
-from ddiloco.chaos.local import LocalBackend, Partitioner
+from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line
@@ -61,7 +61,7 @@ def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Part
 
 def _coordinator(cluster: Cluster):
     for p in cluster.procs:
-        if p.popen.args[3] == "coordinator":
+        if role_of(p) == "coordinator":
             return p
     return None  # killed and not restarted yet
 
@@ -76,7 +76,7 @@ def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, 
         for p in cluster.failed():
             # a learner restarted just as the run began draining is refused; that is the
             # protocol working, not a failure
-            if p in backend.restarted and p.popen.args[3] == "learner" and backend.run_over():
+            if p in backend.restarted and role_of(p) == "learner" and backend.run_over():
                 cluster.procs.remove(p)
                 notes.append(f"{p.name} restarted as the run drained; refused (exit {p.returncode()})")
                 continue

@@ -1,0 +1,212 @@
+"""A small real system for fault tests: coordinator, outer optimizer and learners as processes
+on 127.0.0.1 (tiny model, windows of 5 steps), faults injected through the chaos package's
+own local backend, and checks read back from the run's event log and checkpoint folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import time
+
+import pytest
+
+from ddiloco.chaos.audit import audit_run
+from ddiloco.chaos.controller import ChaosController
+from ddiloco.chaos.faults import Schedule
+from ddiloco.chaos.local import LocalBackend, role_of
+from ddiloco.common.health import check
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.rpc import channel
+from ddiloco.launcher.processes import Cluster
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+
+# the suite's tiny run (tests/conftest.py TINY_RUN), repeated here: importing the root
+# conftest by name is ambiguous once several test folders have one
+TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Poll a condition with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_serving(address: str, timeout: float = 120.0) -> None:
+    wait_until(lambda: check(address, timeout=1.0)[0], timeout, f"{address} to answer SERVING")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_latest_checkpoint(out: pathlib.Path) -> int | None:
+    """Version of the checkpoint LATEST names, fully loaded; None if there is none yet.
+
+    Raises if LATEST names something unloadable. A reader racing the writer's clean-up of
+    *older* folders retries once with the new LATEST."""
+    from safetensors.torch import load_file
+
+    root = out / "outer" / "checkpoints"
+    for attempt in range(2):
+        latest = root / "LATEST"
+        if not latest.exists():
+            return None
+        name = latest.read_text().strip()
+        try:
+            tensors = load_file(str(root / name / "global.safetensors"))
+            state = json.loads((root / name / "state.json").read_text())
+        except (FileNotFoundError, OSError):
+            if attempt == 0 and (root / "LATEST").read_text().strip() != name:
+                continue  # LATEST moved on and the writer pruned the old folder meanwhile
+            raise
+        assert any(k.startswith("param/") for k in tensors)
+        assert state["version"] == int(name[1:])
+        return state["version"]
+    return None
+
+
+class CheckpointWatch:
+    """Loads the checkpoint LATEST names every few tenths of a second for the whole test:
+    every load must succeed, and versions must never go backwards."""
+
+    def __init__(self, out: pathlib.Path, interval: float = 0.2) -> None:
+        self.out = out
+        self.interval = interval
+        self.versions: list[int] = []
+        self.errors: list[str] = []
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def check_now(self) -> int | None:
+        try:
+            v = load_latest_checkpoint(self.out)
+        except Exception as exc:  # noqa: BLE001 - every failure is a finding
+            self.errors.append(repr(exc))
+            return None
+        if v is not None:
+            self.versions.append(v)
+        return v
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            self.check_now()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(5)
+        self.check_now()
+
+    def assert_ok(self) -> None:
+        assert not self.errors, f"a checkpoint on disk was not loadable: {self.errors[:3]}"
+        assert self.versions == sorted(self.versions), "checkpoint versions went backwards"
+
+
+@dataclass
+class System:
+    out: pathlib.Path
+    cluster: Cluster
+    backend: LocalBackend
+    watch: CheckpointWatch
+    chaos: ChaosController  # faults by hand (``inject``/``recover``), each logged as a fault event
+    extra: dict = field(default_factory=dict)
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        """Events so far; a line still being appended by a service is left for next time."""
+        path = self.out / "metrics.jsonl"
+        text = path.read_text() if path.exists() else ""
+        lines = text.split("\n")[:-1]  # whatever follows the last newline is incomplete
+        evs = [json.loads(line) for line in lines if line.strip()]
+        return [e for e in evs if kind is None or e["event"] == kind]
+
+    def merges_with(self, learner: int, after: float = 0.0) -> list[dict]:
+        return [e for e in self.events("merge") if e["t"] > after and any(d[0] == learner for d in e["deltas"])]
+
+    def finish(self, timeout: float = 120.0) -> outer_pb2.FinalizeResponse:
+        """End the run the way the coordinator does: learners drain (SIGTERM: flush, leave),
+        then the outer optimizer merges what is pending and evaluates."""
+        learners = [p for p in self.cluster.procs if role_of(p) == "learner" and p.returncode() is None]
+        for p in learners:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        for p in learners:
+            p.popen.wait(timeout=timeout)
+            assert p.returncode() == 0, f"{p.name} exited with {p.returncode()}; see {p.log_path}"
+        with channel(self.cluster.registered_outer()) as ch:
+            final = outer_pb2_grpc.OuterOptimizerStub(ch).Finalize(outer_pb2.FinalizeRequest(), timeout=timeout)
+        self.watch.stop()
+        return final
+
+    def assert_invariants(self) -> None:
+        """After ``finish``: versions only increased, nothing applied twice, nothing
+        acknowledged lost, every checkpoint seen was loadable."""
+        a = audit_run(self.out)
+        assert a.versions_monotonic, f"global versions went backwards: {a.versions}"
+        assert not a.applied_twice, f"deltas applied twice: {a.applied_twice}"
+        assert not a.acked_lost, f"acknowledged deltas never merged: {a.acked_lost}"
+        self.watch.assert_ok()
+        assert load_latest_checkpoint(self.out) is not None
+
+
+@pytest.fixture
+def system_factory(tmp_path):
+    systems: list[System] = []
+    throttles = []
+
+    def start(
+        learners: int = 2, flags: list[str] | None = None, throttle_rate: float | None = None, max_seconds: float = 600,
+        learner_flags: list[str] | None = None,
+    ) -> System:
+        out = tmp_path / f"run{len(systems)}"
+        cluster = Cluster(out)
+        cluster.start_coordinator([*TINY_RUN, "--learners", str(learners), "--max-seconds", str(max_seconds), *(flags or [])])
+        extra = {}
+        if throttle_rate:
+            from throttle import Throttle  # tests/chaos/throttle.py
+
+            port = free_port()
+            throttle = Throttle(port, throttle_rate)
+            throttles.append(throttle)
+            extra["throttle"] = throttle
+            cluster.spawn(
+                "outer",
+                ["outer", "--bind", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{throttle.port}",
+                 "--coordinator", cluster.coordinator_address, "--run-dir", str(out), "--exit-when-finished"],
+            )
+        else:
+            cluster.start_outer()
+        wait_until(cluster.registered_outer, 120, "the outer optimizer to register")
+        wait_serving(cluster.outer_address)
+        for i in range(learners):
+            cluster.start_learner(i, ["--device", "cpu", "--learner-id", str(i), *(learner_flags or [])])
+        backend = LocalBackend(cluster)
+        chaos = ChaosController(Schedule([]), backend, MetricsLog(out / "metrics.jsonl", "chaos"))
+        system = System(out, cluster, backend, CheckpointWatch(out), chaos, extra)
+        systems.append(system)
+        return system
+
+    yield start
+    for s in systems:
+        s.watch.stop_event.set()
+        for p in list(s.cluster.procs):  # a test that failed may leave a process stopped
+            try:
+                os.killpg(p.popen.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        s.cluster.stop_all(grace=10)
+    for t in throttles:
+        t.close()
