@@ -125,10 +125,11 @@ def run_dp_local(flags: list[str], run_dir: pathlib.Path, ranks: int) -> dict:
 
 # ----------------------------------------------------------------------------- reading runs
 def dp_span(events: list[dict]) -> tuple[float, float] | None:
-    """dp trains from rank 0's initial evaluation (version 0) to its ``finished`` event."""
+    """dp trains from rank 0's initial evaluation (version 0) until its ranks stop
+    (``dp_stop``; the final evaluation after it moves nothing over the links)."""
     start = [e["t"] for e in events if e["event"] == "eval" and e.get("version") == 0]
-    end = [e["t"] for e in events if e["event"] == "finished"]
-    return (min(start), max(end)) if start and end else None
+    end = [e["t"] for e in events if e["event"] == "dp_stop"] or [e["t"] for e in events if e["event"] == "finished"]
+    return (min(start), min(end)) if start and end else None
 
 
 def training_start(method: str, events: list[dict]) -> float | None:
@@ -298,6 +299,7 @@ def plot(series: dict[str, dict], rates: dict[str, list], path: pathlib.Path, pr
         ax.set_title(f"{method} ({profile})", fontsize=9)
         ax.set_ylabel("Mbit/s")
         ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=4, loc="upper right")
     axes[-1, 0].set_xlabel("seconds since training start (1 s windows, kernel counters at the hub)")
@@ -429,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             "run_config": json.loads(cfg.to_json()),
             "definitions": {
                 "bytes_per_token": "kernel-counted bytes over every datacenter link, both directions, / tokens trained",
-                "peak_mbps/avg_mbps": "the busiest datacenter's (highest average), busier direction, 1 s windows over "
-                                      "the training span",
+                "peak_mbps/avg_mbps": "the busiest datacenter's (highest average), busier direction, 1 s windows wholly "
+                                      "inside the training span (first step until draining; dp: until its ranks stop)",
                 "compute_utilization": "sum of learners' (ranks') compute seconds / sum of their wall seconds",
                 "seconds_to_target_loss": "from training start to the first evaluation at or below target_loss",
             },

@@ -167,3 +167,13 @@ def test_after_sigkill_of_a_run_cleanup_removes_namespaces_and_processes(tmp_pat
     assert not any(T._alive(p) for p in pids), "cleanup stops the services the dead launcher left running"
     assert ours() is None
 
+
+
+@requires_root
+def test_htb_shapes_and_lan_leaves_links_unshaped(tmp_path):
+    with NetnsSession("wan-mixed", 2, qdisc="htb", state_dir=tmp_path) as s:
+        got = [(a.kind, a.rate_bits, b.kind, b.rate_bits) for a, b in s.built.shaping]
+        assert got == [("htb", 100_000_000, "htb", 100_000_000), ("htb", 50_000_000, "htb", 50_000_000)]
+    with NetnsSession("lan", 1, state_dir=tmp_path) as s:
+        assert [(a.rate_bits, b.rate_bits) for a, b in s.built.shaping] == [(None, None)]
+    assert not list(tmp_path.glob("dd*.json"))

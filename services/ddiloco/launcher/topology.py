@@ -110,13 +110,15 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 
 
 def training_spans(events: list[dict], links: dict) -> dict[int, tuple[float, float]] | None:
-    """Per datacenter: from its learner's first step (``learner_start``: after start-up and the
-    first full pull) to the end of the run, in wall times. Learners are matched to
-    datacenters by the address they registered with."""
-    ends = [e["t"] for e in events if e.get("event") == "finished"]
-    if not ends and not events:
+    """Per datacenter, the steady state of training: from its learner's first step
+    (``learner_start``: after start-up and the one-off full download at join) until the run
+    starts draining (when every learner flushes its partial windows at once), in wall
+    times. Learners are matched to datacenters by the address they registered with."""
+    if not events:
         return None
-    end = max(ends) if ends else max(e["t"] for e in events)
+    ends = [e["t"] for e in events if e.get("event") == "draining"]
+    ends = ends or [e["t"] for e in events if e.get("event") == "finished"]
+    end = min(ends) if ends else max(e["t"] for e in events)
     dc_of_host = {d["address"]: d["datacenter"] for d in links["datacenters"]}
     dc_of_learner = {}
     for e in events:

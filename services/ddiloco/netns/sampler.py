@@ -128,8 +128,8 @@ def summarize(plan: Plan, samples: Samples, span: Span | dict[int, Span] | None 
 
     ``span`` (wall times; one for all datacenters, or one per datacenter index) restricts the
     average and the peak to the windows lying wholly inside it, the training span, so that
-    start-up, the one-off full download at join and shut-down neither dilute the average nor
-    set the peak. Byte totals are always whole-run."""
+    start-up, the one-off full download at join and the drain at the end neither dilute the
+    average nor set the peak. Byte totals are always whole-run."""
     first, last = samples.first, samples.last
     if first is None or last is None:
         raise ValueError("no counter readings")
@@ -139,7 +139,7 @@ def summarize(plan: Plan, samples: Samples, span: Span | dict[int, Span] | None 
         s = span.get(index) if isinstance(span, dict) else span
         if s is None:
             return samples.windows
-        chosen = [w for w in samples.windows if w.t - w.seconds >= s[0] - 1e-3 and w.t <= s[1] + interval]
+        chosen = [w for w in samples.windows if w.t - w.seconds >= s[0] - 1e-3 and w.t <= s[1] + 1e-3]
         return chosen or samples.windows
 
     out = []
@@ -186,7 +186,7 @@ def summarize(plan: Plan, samples: Samples, span: Span | dict[int, Span] | None 
         "source": "/sys/class/net/<dev>/statistics/{tx,rx}_bytes inside the hub namespace",
         "window_s": round(interval, 4),
         "windows": len(samples.windows),
-        "span_rule": "windows wholly inside each datacenter's training span (first training step to the end of training)"
+        "span_rule": "windows wholly inside each datacenter's training span (its first training step until draining starts)"
         if span is not None else "every window",
         "span_seconds": max((d["span_seconds"] for d in out), default=0.0),
         "datacenters": out,
