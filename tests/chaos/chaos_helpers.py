@@ -166,13 +166,25 @@ class System:
 def system_factory(tmp_path):
     systems: list[System] = []
     throttles = []
+    topologies = []
 
     def start(
         learners: int = 2, flags: list[str] | None = None, throttle_rate: float | None = None, max_seconds: float = 600,
-        learner_flags: list[str] | None = None,
+        learner_flags: list[str] | None = None, topology: str = "local",
     ) -> System:
         out = tmp_path / f"run{len(systems)}"
-        cluster = Cluster(out)
+        partitioner = None
+        if topology == "netns":
+            from ddiloco.chaos.partition import NetnsPartitioner
+            from ddiloco.launcher.topology import NetnsTopology, TopologyOptions
+
+            topo = NetnsTopology(TopologyOptions("netns", "lan"), learners, out)
+            topo.__enter__()
+            topologies.append(topo)
+            cluster = Cluster(out, hub=topo.hub, datacenters=list(topo.datacenters))
+            partitioner = NetnsPartitioner(topo.session.plan)
+        else:
+            cluster = Cluster(out)
         cluster.start_coordinator([*TINY_RUN, "--learners", str(learners), "--max-seconds", str(max_seconds), *(flags or [])])
         extra = {}
         if throttle_rate:
@@ -193,7 +205,7 @@ def system_factory(tmp_path):
         wait_serving(cluster.outer_address)
         for i in range(learners):
             cluster.start_learner(i, ["--device", "cpu", "--learner-id", str(i), *(learner_flags or [])])
-        backend = LocalBackend(cluster)
+        backend = LocalBackend(cluster, partitioner)
         chaos = ChaosController(Schedule([]), backend, MetricsLog(out / "metrics.jsonl", "chaos"))
         system = System(out, cluster, backend, CheckpointWatch(out), chaos, extra)
         systems.append(system)
@@ -210,3 +222,5 @@ def system_factory(tmp_path):
         s.cluster.stop_all(grace=10)
     for t in throttles:
         t.close()
+    for topo in topologies:
+        topo.__exit__(None, None, None)

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from ddiloco.chaos.controller import ChaosController
 from ddiloco.chaos.faults import Schedule
 from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
+from ddiloco.chaos.partition import NetnsPartitioner
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line
+from ddiloco.launcher.topology import make_topology
 
 
 @dataclass
@@ -29,32 +31,42 @@ class ChaosResult(LaunchResult):
 
 
 def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Partitioner | None = None) -> ChaosResult:
+    """Run the job of ``options`` (local processes, or the netns topology of
+    ``options.topology``) with ``schedule`` played against it; the result adds what the
+    chaos controller did. In the netns topology partitions cut datacenter links."""
     options.out.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(options.out)
-    backend = LocalBackend(cluster, partitioner)
-    controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
+    topology = make_topology(options.topology, options.learners, options.out)
     notes: list[str] = []
     failures: dict[str, int] = {}
-    try:
-        cluster.start_coordinator(options.run_flags)
-        cluster.start_outer()
-        for i in range(options.learners):
-            extra = ["--device", options.device, "--learner-id", str(i)]
-            if i in options.slowdown:
-                extra += ["--slowdown", str(options.slowdown[i])]
-            extra += options.learner_flags.get(i, [])
-            cluster.start_learner(i, extra)
-        controller.start()
-        failures = _supervise(cluster, backend, options, notes)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping services", file=sys.stderr)
-    finally:
-        controller.stop(undo=True)
-        if not failures:
-            cluster.wait_all(timeout=60)
-        cluster.stop_all()
-    report_path = options.out / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    with topology:  # torn down however this block is left (after faults are undone)
+        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
+        session = getattr(topology, "session", None)
+        if partitioner is None and session is not None:
+            partitioner = NetnsPartitioner(session.plan)
+        backend = LocalBackend(cluster, partitioner)
+        controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
+        try:
+            topology.start(options.out)
+            cluster.start_coordinator(options.run_flags)
+            cluster.start_outer()
+            for i in range(options.learners):
+                extra = ["--device", options.device, "--learner-id", str(i)]
+                if i in options.slowdown:
+                    extra += ["--slowdown", str(options.slowdown[i])]
+                extra += options.learner_flags.get(i, [])
+                cluster.start_learner(i, extra)
+            controller.start()
+            failures = _supervise(cluster, backend, options, notes)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping services", file=sys.stderr)
+        finally:
+            controller.stop(undo=True)
+            if not failures:
+                cluster.wait_all(timeout=60)
+            cluster.stop_all()
+        report_path = options.out / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        topology.finish(options.out, report)
     failures.update({p.name: p.returncode() for p in cluster.failed() if p.name not in failures})
     return ChaosResult(report, failures, options.out, controller.injected, controller.errors, notes)
 
@@ -74,11 +86,13 @@ def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, 
         if coord is not None and coord.returncode() is not None:
             return {}
         for p in cluster.failed():
-            # a learner restarted just as the run began draining is refused; that is the
-            # protocol working, not a failure
-            if p in backend.restarted and role_of(p) == "learner" and backend.run_over():
+            # a learner the chaos controller restarted that exits again is a learner that did
+            # not come back (typically: it finished starting after the run ended and was
+            # refused); the run goes on without it, as without any dead learner
+            if p in backend.restarted and role_of(p) == "learner":
                 cluster.procs.remove(p)
-                notes.append(f"{p.name} restarted as the run drained; refused (exit {p.returncode()})")
+                last = _last_line(p.log_path)
+                notes.append(f"{p.name} (restarted by chaos) exited {p.returncode()}: {last}")
                 continue
             print(f"\nservice failed: {p.name} (exit {p.returncode()}); stopping the run", file=sys.stderr)
             return {p.name: p.returncode()}
@@ -91,3 +105,11 @@ def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, 
             if line:
                 print(line, file=sys.stderr, flush=True)
             last_print = time.monotonic()
+
+
+def _last_line(path) -> str:
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1].strip()[:300] if lines else ""

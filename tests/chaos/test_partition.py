@@ -1,0 +1,62 @@
+"""One datacenter cut off, in the network-namespace topology (``ddiloco.netns``: a hub
+namespace for the coordinator and the outer optimizer, one namespace per learner, veth
+links): its link goes down. Its learner keeps training locally, its lease expires and the
+other learner's work keeps being merged; when the link comes back it reconnects by itself,
+its lease revives and its deltas are merged again.
+
+Needs root (namespaces); skipped otherwise, saying why."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from chaos_helpers import system_factory, wait_until  # noqa: F401 - fixture
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return f"needs root to create network namespaces; running as uid {os.geteuid()}"
+    from ddiloco.netns import topology as T
+
+    try:
+        T.require_root()
+    except T.NetnsError as exc:
+        return str(exc)
+    return None
+
+
+REASON = _why_not()
+if REASON:
+    print(f"tests/chaos: skipping the partition test: {REASON}")
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_partitioned_datacenter_trains_on_and_rejoins(system_factory):  # noqa: F811
+    s = system_factory(learners=2, topology="netns", flags=["--lease-timeout", "3"])
+    wait_until(lambda: s.merges_with(0) and s.merges_with(1), 180, "merges of both learners")
+    fid = s.chaos.inject("partition", "learner:1")
+    t_cut = time.time()
+    assert s.backend.partitioner.is_cut("dc1")
+
+    # cut off, it trains on locally; its lease expires; the other learner's work is merged
+    wait_until(lambda: len([e for e in s.events("window") if e["learner"] == 1 and e["t"] > t_cut]) >= 3, 60,
+               "learner 1 to keep training while cut off")
+    wait_until(lambda: [e for e in s.events("learner_dead") if e["learner"] == 1 and e["t"] > t_cut], 60,
+               "learner 1's lease to expire")
+    wait_until(lambda: len(s.merges_with(0, after=t_cut)) >= 2, 60, "merges of learner 0 during the cut")
+    assert not [e for e in s.events("delta_accepted") if e["learner"] == 1 and e["t"] > t_cut + 1], "nothing crosses a cut link"
+
+    s.chaos.recover(fid)
+    t_heal = time.time()
+    assert not s.backend.partitioner.is_cut("dc1")
+    # it reconnects by itself and rejoins: alive again, its work merged again
+    wait_until(lambda: s.merges_with(1, after=t_heal), 120, "learner 1's deltas to be merged after the link came back")
+    m = s.cluster.membership()
+    assert next(x for x in m.members if x.learner_id == 1).alive
+    assert len(s.events("learner_registered")) == 2, "it rejoined without registering again"
+
+    s.finish()
+    s.assert_invariants()
