@@ -42,6 +42,7 @@ import os
 import pathlib
 import platform
 import shlex
+import subprocess
 import sys
 import time
 
@@ -104,7 +105,7 @@ def run_dp(flags: list[str], run_dir: pathlib.Path, ranks: int, profile: str) ->
                                master_port=DP_PORT, extra_flags=["--device", "cpu"])
         finally:
             s.stop_sampling()
-        events = quality.read_events(run_dir)
+        events = read_events(run_dir)
         links = s.links(dp_span(events))
     add_application_counts(links, None, events)
     # what the ranks' own sockets sent and received (tcp_info): each all-reduce byte leaves one
@@ -124,6 +125,30 @@ def run_dp_local(flags: list[str], run_dir: pathlib.Path, ranks: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- reading runs
+def read_events(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a process killed mid-write
+    return out
+
+
+def git_rev() -> str:
+    """HEAD, and whether services/ or bench/ differ from it (the numbers' provenance)."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "services", "bench/bandwidth.py",
+                                "bench/quality.py"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return rev + (" + uncommitted changes: " + " ".join(x.split()[-1] for x in dirty.splitlines()) if dirty else "")
+    except OSError:
+        return "unknown"
+
+
 def dp_span(events: list[dict]) -> tuple[float, float] | None:
     """dp trains from rank 0's initial evaluation (version 0) until its ranks stop
     (``dp_stop``; the final evaluation after it moves nothing over the links)."""
@@ -379,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.dp_steps:
                 row, extrapolation = measure_dp_extrapolated(args, cfg, base, runs, learners)
                 rows.append(row)
-                events = quality.read_events(run_dir)
+                events = read_events(run_dir)
                 series[method] = link_series(events, training_start(method, events))
                 rates[method] = [d["rate_mbit"] for d in row["datacenters"]]
                 timelines[method] = extrapolation.pop("_timeline")
@@ -389,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report, links = run_ddiloco(method, base + method_flags(method, args.fragments), run_dir, learners,
                                         args.profile)
-        events = quality.read_events(run_dir)
+        events = read_events(run_dir)
         row = make_row(method, args.profile, report, links, events, time.monotonic() - t0)
         row["run_dir"] = str(run_dir)
         rows.append(row)
@@ -436,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                 "compute_utilization": "sum of learners' (ranks') compute seconds / sum of their wall seconds",
                 "seconds_to_target_loss": "from training start to the first evaluation at or below target_loss",
             },
-            "git_rev": quality.git_rev(),
+            "git_rev": git_rev(),
             "python": platform.python_version(),
             "torch": __import__("torch").__version__,
             "cpus": os.cpu_count(),
@@ -469,12 +494,12 @@ def measure_dp_extrapolated(args, cfg, base: list[str], runs: pathlib.Path, lear
     short[short.index("--max-tokens") + 1] = str(steps * tokens_per_step)
     t0 = time.monotonic()
     report, links = run_dp(short, runs / "dp", learners, args.profile)
-    events = quality.read_events(runs / "dp")
+    events = read_events(runs / "dp")
     row = make_row("dp", args.profile, report, links, events, time.monotonic() - t0)
     seconds_per_step = report["wall_seconds"] / max(1, report["optimizer_steps"])
     local_dir = runs / "dp-local"
     local = run_dp_local(base, local_dir, learners)
-    local_events = quality.read_events(local_dir)
+    local_events = read_events(local_dir)
     per_step = [(int(e["version"]), float(e["eval_loss"])) for e in local_events if e["event"] == "eval"]
     row.update({
         "extrapolated": True,
