@@ -326,7 +326,9 @@ class OuterState:
                 fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
                 mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
                 self._journal_merge(frag, kept, dropped, weights, fraction, mean_staleness)  # durable before it is applied
-                self._apply(frag, [(p.learner_id, p.seq, p.tokens, p.tensors) for p in kept], weights, fraction, mean_staleness)
+                self._apply(
+                    frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in kept], weights, fraction, mean_staleness
+                )
                 self.metrics.event(
                     "merge",
                     version=self.version,
@@ -349,21 +351,28 @@ class OuterState:
     def _apply(
         self,
         frag: Fragment,
-        kept: list[tuple[int, int, int, list[torch.Tensor]]],
+        kept: list[tuple[int, int, int, list[torch.Tensor], int]],
         weights: list[float],
         fraction: float,
         staleness: float = 0.0,
     ) -> None:
-        """One outer step on ``frag`` from (learner, seq, tokens, tensors) deltas; bumps versions."""
+        """One outer step on ``frag`` from (learner, seq, tokens, tensors, inner steps) deltas;
+        bumps versions."""
         fragment = frag.index
         params = [self.params[i] for i in frag.tensor_ids]
         plain = [self.plain_average[i] for i in frag.tensor_ids]
-        direction = merge.combine([t for _, _, _, t in kept], weights, self.config.outer.merge_rule, plain)
+        # A delta the uploader coalesced from k windows (k x H steps, e.g. everything trained
+        # while the outer optimizer was down) is the sum of k windows' displacements, and the
+        # work fraction already counts its k windows: apply it per window, or the step grows
+        # with k^2 (a 34-window delta after an 8 s outage blew the model up, loss 5e4).
+        h = self.config.learner.inner_steps
+        tensors = [t if steps <= h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
+        direction = merge.combine(tensors, weights, self.config.outer.merge_rule, plain)
         frag.optimizer.step(params, direction, fraction, staleness)
         frag.version += 1
         self.version += 1
         self.outer_steps += 1
-        for learner_id, seq, tokens, _ in kept:
+        for learner_id, seq, tokens, _, _ in kept:
             rec = self.learners.setdefault(learner_id, LearnerRecord())
             rec.merged += 1
             rec.tokens_merged[fragment] = rec.tokens_merged.get(fragment, 0) + tokens
@@ -586,7 +595,7 @@ class OuterState:
                     raise RuntimeError(f"merge record {path.name} names delta ({learner_id}, {seq}), missing from the journal")
                 _, header, payload = journal.pop((learner_id, seq))
                 tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
-                kept.append((learner_id, seq, header.tokens, tensors))
+                kept.append((learner_id, seq, header.tokens, tensors, header.inner_steps))
                 rec = self.learners.setdefault(learner_id, LearnerRecord())
                 rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
                 rec.accepted += 1
