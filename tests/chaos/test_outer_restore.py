@@ -87,3 +87,38 @@ def test_a_torn_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     assert restarted.version == 4
     state_json = json.loads((root / "v00000004" / "state.json").read_text())
     assert state_json["version"] == 4 and state_json["pending"] == []
+
+
+def _push_arrays(state: OuterState, learner: int, seq: int, arrays, steps: int, tokens: int) -> None:
+    enc = codec.encode(arrays, "fp32")
+    header = outer_pb2.DeltaHeader(
+        run_id="restore", learner_id=learner, base_version=state.version, tokens=tokens, inner_steps=steps, seq=seq,
+        payload=payload_info(enc),
+    )
+    state.accept(header, enc.payload)
+
+
+def test_a_delta_coalesced_during_an_outage_moves_the_model_like_its_windows(tmp_path):
+    """While the outer optimizer is down a learner coalesces k windows into one delta (k x H
+    steps, k x the tokens, about k x the displacement). Applied, it must move the model about
+    as far as its k windows merged one by one, not k^2 times one window (which blew the
+    model up after an 8 s outage)."""
+    cfg = _config(checkpoint_every=1000)
+    rng = np.random.default_rng(0)
+    window = [(n, (rng.normal(size=p.shape) * 1e-2).astype(np.float32)) for n, p in zip(
+        OuterState(cfg, None).names, OuterState(cfg, None).params)]
+    h, tokens = cfg.learner.inner_steps, cfg.learner.inner_steps * cfg.learner.batch_size * cfg.model.context
+    k = 6
+
+    one_by_one = OuterState(cfg, None)
+    start = [p.clone() for p in one_by_one.params]
+    for i in range(k):
+        _push_arrays(one_by_one, 0, i + 1, window, h, tokens)
+        assert one_by_one.merge(0)
+    moved_one_by_one = sum(float((p - s).norm() ** 2) for p, s in zip(one_by_one.params, start)) ** 0.5
+
+    coalesced = OuterState(cfg, None)
+    _push_arrays(coalesced, 0, 1, [(n, a * k) for n, a in window], k * h, k * tokens)
+    assert coalesced.merge(0)
+    moved_coalesced = sum(float((p - s).norm() ** 2) for p, s in zip(coalesced.params, start)) ** 0.5
+    assert moved_coalesced < 2 * moved_one_by_one, (moved_coalesced, moved_one_by_one)
