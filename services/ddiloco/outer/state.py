@@ -361,12 +361,14 @@ class OuterState:
         fragment = frag.index
         params = [self.params[i] for i in frag.tensor_ids]
         plain = [self.plain_average[i] for i in frag.tensor_ids]
-        # A delta the uploader coalesced from k windows (k x H steps, e.g. everything trained
-        # while the outer optimizer was down) is the sum of k windows' displacements, and the
-        # work fraction already counts its k windows: apply it per window, or the step grows
-        # with k^2 (a 34-window delta after an 8 s outage blew the model up, loss 5e4).
+        # Every delta is brought to the size of one H-step window before it is combined: the
+        # work fraction already counts how many steps it holds. Without this, a delta the
+        # uploader coalesced from k windows (e.g. everything trained while the outer optimizer
+        # was down) would step k^2 too far (a 34-window delta after an 8 s outage took the loss
+        # to 5e4), and short windows (a fragment's first, a slow learner's under dynamic local
+        # updates, the last one at drain) would count for less than their work.
         h = self.config.learner.inner_steps
-        tensors = [t if steps <= h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
+        tensors = [t if steps == h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
         direction = merge.combine(tensors, weights, self.config.outer.merge_rule, plain)
         frag.optimizer.step(params, direction, fraction, staleness)
         frag.version += 1
