@@ -26,6 +26,7 @@ accepted is refused with ALREADY_EXISTS, which a retrying learner reads as "alre
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import pathlib
@@ -370,7 +371,12 @@ class OuterState:
         h = self.config.learner.inner_steps
         tensors = [t if steps == h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
         direction = merge.combine(tensors, weights, self.config.outer.merge_rule, plain)
-        frag.optimizer.step(params, direction, fraction, staleness)
+        # More than one round of work at once (coalesced windows) is applied as that many
+        # work-clock steps of the same direction: one step of fraction f > 1 would put an
+        # f^2 term into the Nesterov update and overshoot several-fold.
+        substeps = max(1, math.ceil(fraction - 1e-9))
+        for _ in range(substeps):
+            frag.optimizer.step(params, direction, fraction / substeps, staleness)
         frag.version += 1
         self.version += 1
         self.outer_steps += 1
