@@ -121,4 +121,4 @@ def test_a_delta_coalesced_during_an_outage_moves_the_model_like_its_windows(tmp
     _push_arrays(coalesced, 0, 1, [(n, a * k) for n, a in window], k * h, k * tokens)
     assert coalesced.merge(0)
     moved_coalesced = sum(float((p - s).norm() ** 2) for p, s in zip(coalesced.params, start)) ** 0.5
-    assert moved_coalesced < 2 * moved_one_by_one, (moved_coalesced, moved_one_by_one)
+    assert moved_coalesced < 1.3 * moved_one_by_one, (moved_coalesced, moved_one_by_one)
