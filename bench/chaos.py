@@ -26,7 +26,7 @@ measured start-up; the outer-optimizer kill does not apply (DP has none). Its go
 at the step the productive time reaches (interpolated between its evaluations).
 
     python bench/chaos.py            # full: M=8, T=300 s, tiny model; ~30 minutes on 2 cores
-    python bench/chaos.py --quick    # smoke test: M=2, T=24 s, faults every 8 s; ~4 minutes
+    python bench/chaos.py --quick    # smoke test: M=2, T=30 s, faults every 10 s; ~4 minutes
 
 Writes ``bench/results/chaos.json`` (``chaos-quick.json`` with --quick) and prints a
 markdown table.
@@ -236,7 +236,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 learners, 24 s, faults every 8 s")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 2 learners, 30 s, faults every 10 s")
     ap.add_argument("--learners", type=int, default=None)
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        s = Settings(learners=2, seconds=24, kill_every=8, restart_after=3, outer_kill_at=14, outer_restart_after=2,
+        s = Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=15, outer_restart_after=2,
                      model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=args.device)
     else:
         s = Settings(learners=8, seconds=300, kill_every=60, restart_after=20, outer_kill_at=150, outer_restart_after=5,

@@ -147,17 +147,18 @@ def account(events: list[dict], learners: int = 0) -> dict:
         accounts[lid] = acc
         seqs_all = sorted({s for (l, s) in (set(acked_compute) | set(accepted_tokens) | set(audit.merged)) if l == lid})
         lst = incs.get(lid, [])
-        restarting = 0.0
+        starts = [inc.start for inc in lst]
+        down: list[tuple[float, float]] = []  # dead or starting up: from a death to the next start
+        for t in kills.get(lid, []):  # a kill may hit an incarnation that had not started yet
+            down.append((t, min([s for s in starts if s > t], default=t_end)))
         for i, inc in enumerate(lst):
             next_inc = lst[i + 1] if i + 1 < len(lst) else None
             hi = next_inc.first_seq if next_inc else float("inf")
             seqs = [s for s in seqs_all if inc.first_seq <= s < hi]
             _assign(inc, lid, seqs, acked_compute, accepted_tokens, refused, audit.merged, tps.get(lid))
-            if inc.end is None:  # died: down from the kill until the next start
-                died = [t for t in kills.get(lid, []) if inc.start <= t <= (next_inc.start if next_inc else t_end)]
-                death = min(died) if died else inc.last_t
-                back = next_inc.start if next_inc else t_end
-                restarting += max(0.0, min(back, t_end) - max(death, t_start))
+            back = next_inc.start if next_inc else t_end
+            if inc.end is None and not any(inc.start <= t <= back for t in kills.get(lid, [])):
+                down.append((inc.last_t, back))  # died without an injected fault: from its last sign of life
             for w in inc.windows:
                 w.frozen = min(w.compute, _overlap(w.t - w.compute, w.t, freezes.get(lid, [])))
                 useful = w.compute - w.frozen
@@ -165,7 +166,7 @@ def account(events: list[dict], learners: int = 0) -> dict:
                     acc.merged_s += useful
                 else:
                     acc.waste_s[w.status] += useful
-        acc.waste_s["restarting"] = restarting
+        acc.waste_s["restarting"] = _union_length(down, t_start, t_end)
         rest = span - acc.merged_s - sum(acc.waste_s[c] for c in CAUSES if c != "waiting")
         acc.waste_s["waiting"] = max(0.0, rest)
 
@@ -184,6 +185,19 @@ def account(events: list[dict], learners: int = 0) -> dict:
             "learners": {str(k): a.to_dict() for k, a in accounts.items()},
         },
     }
+
+
+def _union_length(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    total, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+        if b <= a:
+            continue
+        if a < end:
+            a = end
+        if b > a:
+            total += b - a
+            end = b
+    return total
 
 
 def _tokens_per_step(events: list[dict]) -> dict[int, float]:

@@ -108,8 +108,10 @@ def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, 
 
 
 def _last_line(path) -> str:
+    """The gist of why a process exited: a gRPC error's details, else its last line."""
     try:
-        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+        lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if x.strip()]
     except OSError:
         return ""
-    return lines[-1].strip()[:300] if lines else ""
+    details = [x for x in lines if x.startswith("details = ")]
+    return (details or lines or [""])[-1][:300]
