@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="local: run folder (default: runs/chaos-<time>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="local: learners' device")
     parser.add_argument("--quiet", action="store_true", help="local: no progress lines")
+    from ddiloco.launcher.cli import _topology_arguments
+
+    _topology_arguments(parser)  # --topology local|netns (partitions need netns), --profile, --wan-qdisc
     g = parser.add_argument_group("faults")
     g.add_argument("--kill-every", type=parse_duration, default=None, metavar="DUR", help="kill --target every DUR (e.g. 60s)")
     g.add_argument("--target", default="learner", help="target of --kill-every: learner, learner:ID, outer, coordinator")
@@ -88,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.chaos.run import run_with_chaos
     from ddiloco.launcher.cli import print_summary
     from ddiloco.launcher.run import LaunchOptions
+    from ddiloco.launcher.topology import TopologyOptions
 
     out = args.out or pathlib.Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     if args.cfg_max_seconds is None and args.config is None:
@@ -97,7 +101,14 @@ def main(args: argparse.Namespace) -> int:
     print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     learners = args.cfg_learners if args.cfg_learners is not None else 4
     options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, device=args.device,
-                            progress=not args.quiet)
+                            progress=not args.quiet,
+                            topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc))
+    try:
+        options.topology.validate()
+    except ValueError as exc:
+        raise SystemExit(f"ddiloco chaos: {exc}")
+    if args.topology != "netns" and any(f.kind == "partition" for f in schedule.faults):
+        raise SystemExit("ddiloco chaos: partitions cut datacenter links, which exist only with --topology netns")
     result = run_with_chaos(options, schedule)
     if result.report is not None:
         print_summary(result.report, sys.stdout)
