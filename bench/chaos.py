@@ -131,12 +131,38 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
         "outer_steps": report["outer_steps"],
         "versions_monotonic": audit["versions_monotonic"],
         "faults_injected": len(injected),
+        "resume": resume_stats(events, s.inner_steps),
         "fault_errors": result.fault_errors,
         "failures": result.failures,
         "notes": result.notes,
         "modelled": False,
         "wall_seconds": round(time.monotonic() - t0, 1),
         "run_dir": str(out),
+    }
+
+
+def resume_stats(events: list[dict], inner_steps: int) -> dict:
+    """Per learner restart: steps trained by the dead incarnation that the new one trains again
+    (its resume batch is where the acknowledged work ended) and steps skipped (must be 0)."""
+    trained: dict[int, int] = {}
+    last_start: dict[int, dict] = {}
+    retrained, skipped = [], []
+    for e in events:
+        lid = e.get("learner")
+        if e["event"] == "learner_start":
+            if lid in last_start:
+                advanced = e["batch_index"] - last_start[lid]["batch_index"]
+                retrained.append(max(0, trained.get(lid, 0) - advanced))
+                skipped.append(max(0, advanced - trained.get(lid, 0)))
+            last_start[lid] = e
+            trained[lid] = 0
+        elif e["event"] == "window" and lid in trained:
+            trained[lid] += e["steps"]
+    return {
+        "restarts": len(retrained),
+        "retrained_windows_max": round(max(retrained, default=0) / inner_steps, 2),
+        "retrained_windows_mean": round(sum(retrained) / len(retrained) / inner_steps, 2) if retrained else 0.0,
+        "skipped_steps": sum(skipped),
     }
 
 
