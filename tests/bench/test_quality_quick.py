@@ -92,8 +92,9 @@ def _row(method, budget, loss, learners=None, tokens=1000):
 
 def test_slow_ratio_and_gaps_from_known_rows():
     q = _load_bench()
-    fast = lambda rate: {"tokens": 100, "tokens_per_s": rate, "tokens_per_compute_s": 2 * rate, "slow": False}  # noqa: E731
-    slow = {"tokens": 30, "tokens_per_s": 1.0, "tokens_per_compute_s": 3.0, "slow": True}
+    fast = lambda rate: {"tokens": 100, "tokens_per_s": rate, "tokens_per_compute_s": 2 * rate,  # noqa: E731
+                         "busy_fraction": 0.5 if rate > 10 else 1.0, "slow": False}
+    slow = {"tokens": 30, "tokens_per_s": 1.0, "tokens_per_compute_s": 3.0, "busy_fraction": 0.1, "slow": True}
     base = {str(i): fast(10.0) for i in range(4)}
     slowed = {"0": fast(9.0), "1": fast(10.0), "2": fast(11.5), "3": slow}
     rows = [
@@ -106,6 +107,7 @@ def test_slow_ratio_and_gaps_from_known_rows():
     assert s["fast_learner_tokens_per_s_ratio"] == pytest.approx((9 + 10 + 11.5) / 3 / 10, abs=1e-4)
     assert s["fast_learner_tokens_per_compute_s_ratio"] == pytest.approx((9 + 10 + 11.5) / 3 / 10, abs=1e-4)
     assert s["slow_learner_token_share"] == pytest.approx(30 / 330, abs=1e-4)
+    assert s["fast_learner_busy_fraction"] == pytest.approx((1.0 + 1.0 + 0.5) / 3, abs=1e-4)  # the slow one left out
     assert rows[1]["loss_vs_dp"] == pytest.approx(0.1)
     by = {t["target"]: t for t in q.targets(rows)}
     assert by["ddiloco-int8 vs diloco-sync (relative loss)"]["met"] is True  # equal losses
@@ -114,6 +116,7 @@ def test_slow_ratio_and_gaps_from_known_rows():
     assert by["ddiloco-int8 vs dp at 4N (relative loss)"]["met"] is False
     assert by["gap to dp shrinks from N to 4N (gap 4N - gap N)"]["met"] is True  # 6.25% < 10%
     assert by["fast_learner_tokens_per_s_ratio"]["met"] is True
+    assert by["(extra) fast learners' busy fraction in ddiloco-int8-slow"]["met"] is False  # 0.83 < 0.95
 
 
 def test_eval_curve_maps_versions_to_merged_tokens():

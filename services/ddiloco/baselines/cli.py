@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-addr", default="127.0.0.1", help="address where rank 0 serves the rendezvous")
     parser.add_argument("--master-port", type=int, default=0, help="its port (0: pick a free one; needs --rank unset)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="run folder (default: runs/dp-<time>)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu", help="training device")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="training device (auto: cuda if present)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     parser.add_argument("--collective-timeout", type=float, default=600.0, help="seconds before a missing peer fails an all-reduce")
     add_run_flags(parser)
