@@ -75,6 +75,7 @@ class KnownLearners:
         self._live: int | None = None
         self._lock = threading.Lock()
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
+        self.registered_outer = "?"  # the outer address the coordinator knows; "" once it forgot us
 
     def refresh(self) -> None:
         resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
@@ -82,6 +83,7 @@ class KnownLearners:
             self._ids = {m.learner_id for m in resp.members}
             self._live = sum(1 for m in resp.members if m.alive)
             self.last_state = resp.state
+            self.registered_outer = resp.outer_address
 
     def live_count(self, default: int) -> int:
         """Learners holding a lease; the planned M until the coordinator has answered."""
@@ -290,6 +292,17 @@ class OuterService:
                 self.known.refresh()
             except grpc.RpcError:
                 continue  # the coordinator may be restarting: keep merging meanwhile
+            if not self.known.registered_outer and self.known.last_state != coordinator_pb2.RUN_STATE_FINISHED:
+                # a coordinator restarted without its state does not know us: register again,
+                # or learners registering again would wait for an outer optimizer forever
+                try:
+                    self.coordinator.RegisterService(
+                        coordinator_pb2.RegisterServiceRequest(run_id=self.config.run_id, kind="outer", address=self.address),
+                        timeout=3,
+                    )
+                    log.info("registered again with a coordinator that had lost its state")
+                except grpc.RpcError:
+                    continue
             if self.known.last_state == coordinator_pb2.RUN_STATE_FINISHED and self.options.exit_when_finished:
                 log.info("run finished: exiting")
                 self.stop_event.set()
