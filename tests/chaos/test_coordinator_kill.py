@@ -45,3 +45,29 @@ def test_coordinator_killed(system_factory):  # noqa: F811
     assert abs(report["goodput"] + sum(report["waste"].values()) - 1) < 0.01
     s.watch.stop()
     s.assert_invariants()
+
+
+def test_coordinator_restarted_without_state_rebuilds_membership_from_re_registration(system_factory):  # noqa: F811
+    """The other way back: its state file is gone, so the restarted coordinator knows nobody.
+    Learners are told NOT_FOUND on their next heartbeat and register again under their ids,
+    the outer optimizer registers again, and training goes on."""
+    s = system_factory(learners=2)
+    wait_until(lambda: s.merges_with(0) and s.merges_with(1), 180, "merges of both learners")
+    fid = s.chaos.inject("kill", "coordinator")
+    (s.out / "coordinator" / "state.json").unlink()
+    t_kill = time.time()
+    s.chaos.recover(fid)
+
+    def rebuilt():
+        m = s.cluster.membership()
+        return m if m is not None and sorted(x.learner_id for x in m.members if x.alive) == [0, 1] and m.outer_address else None
+
+    m = wait_until(rebuilt, 120, "both learners and the outer optimizer to register again")
+    assert m.outer_address == s.cluster.outer_address
+    again = [e for e in s.events("learner_registered") if e["t"] > t_kill]
+    assert sorted(e["learner"] for e in again) == [0, 1]
+    t_back = time.time()
+    for lid in (0, 1):
+        wait_until(lambda: s.merges_with(lid, after=t_back), 120, f"merges of learner {lid} after the rebuild")
+    s.finish()
+    s.assert_invariants()
