@@ -137,3 +137,24 @@ def test_compose_labels_map_to_targets(box):
     assert backend.datacenters == {"learner:0": "dc0"}
     with pytest.raises(DockerUnavailable):
         DockerBackend.for_compose_project(project + "-absent", c)
+
+
+def test_ddiloco_chaos_cli_against_containers(box, tmp_path):
+    """`ddiloco chaos --backend docker` finds the project's containers by their Compose labels,
+    plays the schedule, and logs the faults into the given run folder."""
+    import subprocess
+    import sys
+
+    c, ctr, net = box
+    project = ctr.labels["com.docker.compose.project"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "chaos", "--backend", "docker", "--project", project, "--run-dir", str(tmp_path),
+         "--fault", "freeze:learner:0@0s+1s", "--fault", "kill:learner:0@2s+1s"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"injected": 2, "errors": []}
+    faults = [(e["fault_kind"], e["phase"]) for e in read_events(tmp_path / "metrics.jsonl") if e["event"] == "fault"]
+    assert faults == [("freeze", "inject"), ("freeze", "recover"), ("kill", "inject"), ("kill", "recover")]
+    ctr.reload()
+    assert ctr.status == "running"
