@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 import threading
 import time
@@ -23,6 +24,10 @@ from ddiloco.outer.state import OuterState
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# After a restart, how long merges wait for every live learner's re-sent delta: the
+# learners' retry backoff (at most 5 s) plus gRPC's reconnect backoff (at most 2 s), with room.
+RESTART_GRACE_S = 10.0
 
 
 @dataclass
@@ -204,6 +209,7 @@ class OuterService:
         self.timing = SyncTiming()
         self.server: Server | None = None
         self._threads: list[threading.Thread] = []
+        self.recovery_until = 0.0  # after a restart: merges wait for every live learner until then
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -236,6 +242,11 @@ class OuterService:
             max_elapsed=300,
             stop=self.stop_event,
         )
+        if self.state.version > 0 or self.state.pending_count() > 0:
+            # a restart: learners are about to re-send what they trained while this process
+            # was down, all from the same base version; merging them as they trickle in would
+            # judge each against the others' as stale, so wait for all of them (bounded)
+            self.recovery_until = time.monotonic() + RESTART_GRACE_S
         self.metrics.event("outer_ready", address=self.address, version=self.state.version)
         for target, name in ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -263,6 +274,8 @@ class OuterService:
         ocfg = self.config.outer
         while not self.stop_event.is_set():
             grace = self.timing.grace_s(ocfg.overlap_steps, ocfg.grace_gamma, ocfg.max_grace_s)
+            if time.monotonic() < self.recovery_until:
+                grace = math.inf  # until the window closes, only a merge holding every live learner's delta
             due = state.due_fragments(self.known.live_count(default=self.config.learners), grace)
             if not due:
                 with state.lock:
