@@ -55,7 +55,7 @@ import quality  # noqa: E402  (the quality bench: its presets and ddiloco flags 
 
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
 DDILOCO = [m for m in METHODS if m.startswith("ddiloco")]
-DEFAULT_FRAGMENTS = 8  # P: see docs/wan.md (P = 4 left peak/avg near 2 on this model)
+DEFAULT_FRAGMENTS = 8  # P: several fragment messages per learner in each 1 s window at this model size
 DP_PORT = 29500  # the rendezvous port inside datacenter 0's fresh namespace: always free there
 
 
