@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import wait_until
 
-from netns_helpers import NOT_ROOT_REASON, leftovers, namespaces, requires_root
+from netns_helpers import leftovers, namespaces, requires_root
 
 from ddiloco.netns import registry
 from ddiloco.netns import topology as T
