@@ -9,9 +9,9 @@
 # and then drops to the unprivileged ddiloco user. Shaping that fails stops the container:
 # a run that was meant to be shaped must not silently train on an unshaped link.
 #
-# Swarm has no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until each answers
-# the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) gives a
-# replicated learner its datacenter index.
+# Swarm and Kubernetes have no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until
+# each answers the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) or
+# JOB_COMPLETION_INDEX gives a replicated learner its datacenter index.
 set -eu
 
 log() { echo "[entrypoint] $*" >&2; }
@@ -25,16 +25,19 @@ for arg in "$@"; do
     case "$arg" in -h | --help) exec ddiloco "$@" ;; esac
 done
 
-if [ -n "${DDILOCO_TASK_SLOT:-}" ] && [ -z "${DDILOCO_DATACENTER:-}" ]; then
-    DDILOCO_DATACENTER=dc$((DDILOCO_TASK_SLOT - 1))
-    export DDILOCO_DATACENTER
+if [ -z "${DDILOCO_DATACENTER:-}" ]; then
+    if [ -n "${DDILOCO_TASK_SLOT:-}" ]; then
+        export DDILOCO_DATACENTER="dc$((DDILOCO_TASK_SLOT - 1))"
+    elif [ -n "${JOB_COMPLETION_INDEX:-}" ]; then # a Kubernetes Indexed Job
+        export DDILOCO_DATACENTER="dc$JOB_COMPLETION_INDEX"
+    fi
 fi
 
 if [ "$role" = learner ] && [ -z "${DDILOCO_ADVERTISE:-}" ]; then
     # Replicas of one service share its DNS name; each must advertise its own address.
     bind=${DDILOCO_BIND:-0.0.0.0:50060}
-    DDILOCO_ADVERTISE="$(hostname -i | awk '{print $1}'):${bind##*:}"
-    export DDILOCO_ADVERTISE
+    addr=$(hostname -i 2> /dev/null | awk '{print $1}')
+    if [ -n "$addr" ]; then export DDILOCO_ADVERTISE="$addr:${bind##*:}"; fi
 fi
 
 wait_deadline=$(($(date +%s) + ${DDILOCO_WAIT_TIMEOUT:-300}))

@@ -194,3 +194,46 @@ def test_dockerignore_keeps_the_context_small():
     assert lines[0] == "**" or "**" in lines  # deny by default, then allow what the image needs
     for needed in ("!pyproject.toml", "!services/", "!docker/entrypoint.sh", "!docker/wheels/"):
         assert needed in lines
+
+
+# -- Kubernetes manifests (validated only: no cluster runs them here) ------------------------
+
+K8S_FILE = ROOT / "docker" / "k8s" / "ddiloco.yaml"
+
+
+def k8s_docs() -> list[dict]:
+    if yaml is None:
+        skip_or_fail("pyyaml is not installed (pip install '.[test]')")
+    with open(K8S_FILE, encoding="utf-8") as fh:
+        return [d for d in yaml.safe_load_all(fh) if d]
+
+
+def test_k8s_manifests_validate_against_the_kubernetes_schemas():
+    # kubernetes-validate bundles the schemas (offline) but is ~100 MB, so it is optional
+    pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed; K8s schema check skipped")
+    run(tool("kubernetes-validate"), "--strict", "--quiet", "-k", "1.33.0", str(K8S_FILE))
+
+
+def test_k8s_invariants():
+    docs = k8s_docs()
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Job"}
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert set(jobs) == {"ddiloco-coordinator", "ddiloco-outer", "ddiloco-learners"}
+    for svc in services:  # every Service selects the pods of some Job
+        sel = svc["spec"]["selector"].items()
+        assert any(sel <= j["spec"]["template"]["metadata"]["labels"].items() for j in jobs.values()), svc["metadata"]["name"]
+    for name, job in jobs.items():
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        assert c["readinessProbe"]["exec"]["command"][:2] == ["ddiloco", "health"], name
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        caps = c.get("securityContext", {}).get("capabilities", {})
+        if SHAPING_ENV in env:
+            assert env[SHAPING_ENV] in load_profiles()
+            assert "NET_ADMIN" in caps.get("add", []) and c["securityContext"]["runAsUser"] == 0, name
+            assert {"SETUID", "SETGID", "SETPCAP"} <= set(caps["add"]), f"{name}: the entrypoint cannot drop privileges"
+        else:
+            assert caps.get("drop") == ["ALL"] and not caps.get("add"), name
+    learners = jobs["ddiloco-learners"]["spec"]
+    coordinator_args = jobs["ddiloco-coordinator"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert learners["completionMode"] == "Indexed"
+    assert f"--learners={learners['completions']}" in coordinator_args
