@@ -50,6 +50,7 @@ if str(ROOT / "services") not in sys.path:  # runs from a plain checkout too
 
 from ddiloco.chaos.audit import audit_run  # noqa: E402
 from ddiloco.chaos.faults import Fault, Schedule, periodic  # noqa: E402
+from ddiloco.common.config import MODEL_PRESETS  # noqa: E402
 from ddiloco.common.metrics import read_events  # noqa: E402
 
 TARGETS = {"goodput": 0.88, "loss_gap": 0.02}
@@ -131,7 +132,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
         "outer_steps": report["outer_steps"],
         "versions_monotonic": audit["versions_monotonic"],
         "faults_injected": len(injected),
-        "resume": resume_stats(events, s.inner_steps),
+        "resume": resume_stats(events, s.inner_steps, s.batch_size * MODEL_PRESETS[s.model].context),
         "loss_curve": loss_curve(events),
         "fault_errors": result.fault_errors,
         "failures": result.failures,
@@ -165,27 +166,34 @@ def loss_at_tokens(curve: list[tuple[int, float]], tokens: float) -> float:
     return loss_at_step(curve, tokens)
 
 
-def resume_stats(events: list[dict], inner_steps: int) -> dict:
-    """Per learner restart: steps trained by the dead incarnation that the new one trains again
-    (its resume batch is where the acknowledged work ended) and steps skipped (must be 0)."""
+def resume_stats(events: list[dict], inner_steps: int, tokens_per_step: int) -> dict:
+    """Per learner restart: steps the dead incarnation trained whose deltas were neither
+    acknowledged nor refused, which the new incarnation trains again (it resumes where the
+    acknowledged work ended); steps of refused deltas, read again too; steps skipped (must be 0)."""
     trained: dict[int, int] = {}
+    refused: dict[int, int] = {}
     last_start: dict[int, dict] = {}
-    retrained, skipped = [], []
+    retrained, reread, skipped = [], 0, []
     for e in events:
         lid = e.get("learner")
         if e["event"] == "learner_start":
             if lid in last_start:
                 advanced = e["batch_index"] - last_start[lid]["batch_index"]
-                retrained.append(max(0, trained.get(lid, 0) - advanced))
-                skipped.append(max(0, advanced - trained.get(lid, 0)))
+                lost = trained.get(lid, 0) - refused.get(lid, 0) - advanced
+                retrained.append(max(0, lost))
+                skipped.append(max(0, -lost))
+                reread += refused.get(lid, 0)
             last_start[lid] = e
-            trained[lid] = 0
+            trained[lid] = refused[lid] = 0
         elif e["event"] == "window" and lid in trained:
             trained[lid] += e["steps"]
+        elif e["event"] == "upload_refused" and lid in refused:
+            refused[lid] += e.get("tokens", 0) // tokens_per_step
     return {
         "restarts": len(retrained),
         "retrained_windows_max": round(max(retrained, default=0) / inner_steps, 2),
         "retrained_windows_mean": round(sum(retrained) / len(retrained) / inner_steps, 2) if retrained else 0.0,
+        "refused_windows_read_again": round(reread / inner_steps, 2),
         "skipped_steps": sum(skipped),
     }
 
