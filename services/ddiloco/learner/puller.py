@@ -1,9 +1,11 @@
 """Background download of new global parameters, fragment by fragment.
 
 It watches the outer optimizer's status and pulls a fragment when it holds something new
-for this learner: its own latest delta of that fragment was merged, or at least one round
-of other learners' work was merged into it since the learner's copy (so a learner whose
-deltas are refused as stale still catches up).
+for this learner: its own latest delta of that fragment was merged (normally once per
+window), or at least ``CATCH_UP_ROUNDS`` rounds of other learners' work went into it since
+the learner's copy (so a learner whose deltas are refused as stale still catches up).
+A download costs about as much however many merges it spans, so pulling once per window
+keeps the download direction no bigger than the upload direction.
 
 Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads``); the
 puller keeps that copy per fragment, applies each change to it exactly as the outer
@@ -26,6 +28,8 @@ from ddiloco.common.transport import GlobalParams, OuterClient
 from ddiloco.learner.stats import Stats
 
 log = logging.getLogger(__name__)
+
+CATCH_UP_ROUNDS = 2.0
 
 
 @dataclass
@@ -114,7 +118,7 @@ class Puller:
             if fs.version <= copy.version:
                 continue
             own_merged = fs.merged_by_learner.get(self.learner_id, 0) > copy.merged_mine
-            behind = fs.tokens_merged - copy.tokens_merged >= self.round_tokens
+            behind = fs.tokens_merged - copy.tokens_merged >= CATCH_UP_ROUNDS * self.round_tokens
             if own_merged or behind:
                 out.append(fs.fragment)
         return out
