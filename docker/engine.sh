@@ -158,7 +158,7 @@ inputs_hash() {
   (
     cd "$ROOT"
     docker image inspect -f '{{.Id}}' "$BASE_IMAGE"
-    find docker/Dockerfile docker/entrypoint.sh pyproject.toml README.md services protos \
+    find docker/Dockerfile docker/entrypoint.sh pyproject.toml README.md services \
       -type f ! -name '*.pyc' ! -path '*/__pycache__/*' ! -path '*.egg-info/*' 2>/dev/null | LC_ALL=C sort | xargs sha256sum
     ls docker/wheels
   ) | sha256sum | cut -c1-16

@@ -81,6 +81,8 @@ def test_compose_config_resolves(engine):
 
 
 def test_stack_config_resolves(engine):
+    if run("docker", "stack", "config", "--help", check=False).returncode != 0:
+        pytest.skip("this docker CLI has no `docker stack config` (added after 20.10); the Swarm e2e test deploys the file")
     out = run("docker", "stack", "config", "-c", str(STACK_FILE), env={"DDILOCO_LEARNERS": "3"}).stdout
     assert "replicas: 3" in out
 
