@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import pathlib
 import threading
 import time
@@ -245,7 +244,7 @@ class OuterService:
         if self.state.version > 0 or self.state.pending_count() > 0:
             # a restart: learners are about to re-send what they trained while this process
             # was down, all from the same base version; merging them as they trickle in would
-            # judge each against the others' as stale, so wait for all of them (bounded)
+            # judge each against the others' as stale, so let them all arrive first (bounded)
             self.recovery_until = time.monotonic() + RESTART_GRACE_S
         self.metrics.event("outer_ready", address=self.address, version=self.state.version)
         for target, name in ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch")):
@@ -275,7 +274,11 @@ class OuterService:
         while not self.stop_event.is_set():
             grace = self.timing.grace_s(ocfg.overlap_steps, ocfg.grace_gamma, ocfg.max_grace_s)
             if time.monotonic() < self.recovery_until:
-                grace = math.inf  # until the window closes, only a merge holding every live learner's delta
+                # hold merges until the window closes: a learner re-sends the delta that was in
+                # flight at the crash first, and what it trained during the outage right after
+                with state.lock:
+                    state.lock.wait(min(0.25, self.recovery_until - time.monotonic()))
+                continue
             due = state.due_fragments(self.known.live_count(default=self.config.learners), grace)
             if not due:
                 with state.lock:
