@@ -117,8 +117,9 @@ class Cluster:
         site = self.site_of(index)
         return self.spawn(
             name or f"learner-{index}",
+            # learner i is datacenter i and reads shard i, also when restarted after a crash
             ["learner", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
-             "--datacenter", f"dc{index}", "--bind", f"{site.host}:0", *(extra or [])],
+             "--learner-id", str(index), "--datacenter", f"dc{index}", "--bind", f"{site.host}:0", *(extra or [])],
             site=site,
         )
 
