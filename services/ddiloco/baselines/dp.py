@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ddiloco.baselines import netcount
+from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import ShardSampler, eval_windows, load_corpus
 from ddiloco.common.durable import write_json
@@ -47,14 +48,6 @@ class DPOptions:
     master_port: int = 29500
     device: str = "cpu"
     collective_timeout_s: float = 600.0  # a dead peer fails the others after this long
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 def validate(config: RunConfig, options: DPOptions) -> None:

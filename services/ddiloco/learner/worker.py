@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import ShardSampler, load_corpus
 from ddiloco.common.fragments import offset, partition
@@ -68,14 +69,6 @@ class LearnerOptions:
     slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
