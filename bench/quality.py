@@ -181,8 +181,13 @@ def merge_stats(events: list[dict]) -> dict:
     if not merges:
         return {"merges": 0}
     sizes = [len(e["deltas"]) for e in merges]
+    drain_t = next((e["t"] for e in events if e["event"] == "draining"), math.inf)
     return {"merges": len(merges), "deltas_per_merge_mean": round(sum(sizes) / len(sizes), 3),
-            "deltas_per_merge_min": min(sizes), "deltas_per_merge_max": max(sizes)}
+            "deltas_per_merge_min": min(sizes), "deltas_per_merge_max": max(sizes),
+            # synchronous DiLoCo merges every learner's window each round; before the drain,
+            # a merge of fewer than M distinct learners means the barrier did not hold
+            "merges_before_drain_short_of_m": sum(
+                1 for e in merges if e["t"] < drain_t and len({lid for lid, _ in e["deltas"]}) < M)}
 
 
 def _mean(xs: list[float | None]) -> float | None:
@@ -427,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
             events = read_events(run_dir)
             row = make_row(method, budget_name, budget, report, events, time.monotonic() - t0)
             row["run_dir"] = str(run_dir)
+            if method == "diloco-sync" and row.get("merges_before_drain_short_of_m"):
+                print(f"          WARNING: {row['merges_before_drain_short_of_m']} merges before the drain held fewer "
+                      f"than {M} learners: not synchronous DiLoCo (see docs/quality.md)", file=sys.stderr)
             rows.append(row)
             curves[f"{method}/{budget_name}"] = eval_curve(events)
             print(f"          final eval loss {row['final_eval_loss']:.4f}, {row['tokens']:,} tokens, "
