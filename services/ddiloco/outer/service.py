@@ -77,6 +77,8 @@ class KnownLearners:
         self._stub = stub
         self._ids: set[int] = set()
         self._live: int | None = None
+        self._members = 0
+        self._started = time.monotonic()
         self._lock = threading.Lock()
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
         self.registered_outer = "?"  # the outer address the coordinator knows; "" once it forgot us
@@ -86,13 +88,20 @@ class KnownLearners:
         with self._lock:
             self._ids = {m.learner_id for m in resp.members}
             self._live = sum(1 for m in resp.members if m.alive)
+            self._members = len(resp.members)
             self.last_state = resp.state
             self.registered_outer = resp.outer_address
 
-    def live_count(self, default: int) -> int:
-        """Learners holding a lease; the planned M until the coordinator has answered."""
+    def live_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
+        """Learners holding a lease, which bounds the quorum so a run whose learners died keeps
+        merging. Until the planned M have joined (or ``join_timeout_s`` passed) it is M: a
+        learner still starting up is not a dead one, and a synchronous run must not merge
+        its first arrivals alone."""
         with self._lock:
-            return default if self._live is None else self._live
+            joining = self._members < planned and time.monotonic() - self._started < join_timeout_s
+            if self._live is None or joining:
+                return planned
+            return self._live
 
     def check(self, learner_id: int) -> None:
         with self._lock:
@@ -279,7 +288,7 @@ class OuterService:
                 with state.lock:
                     state.lock.wait(min(0.25, self.recovery_until - time.monotonic()))
                 continue
-            due = state.due_fragments(self.known.live_count(default=self.config.learners), grace)
+            due = state.due_fragments(self.known.live_count(self.config.learners), grace)
             if not due:
                 with state.lock:
                     # woken by every accepted delta; the timeout lets a grace window expire
