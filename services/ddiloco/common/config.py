@@ -89,7 +89,9 @@ class OuterConfig:
     staleness_gain: float = 2.0
     # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
     # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
-    overlap_steps: int = 2
+    # 0: half of H. Learners never wait for a merge, so the overlap is theirs to choose;
+    # half a window lets equal-speed learners' deltas, which arrive together, merge together.
+    overlap_steps: int = 0
     grace_gamma: float = 0.5
     max_grace_s: float = 5.0
     # A delta is discounted once more than one round of other work was merged after its base

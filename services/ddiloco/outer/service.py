@@ -281,7 +281,8 @@ class OuterService:
         state = self.state
         ocfg = self.config.outer
         while not self.stop_event.is_set():
-            grace = self.timing.grace_s(ocfg.overlap_steps, ocfg.grace_gamma, ocfg.max_grace_s)
+            overlap = ocfg.overlap_steps or max(1, self.config.learner.inner_steps // 2)
+            grace = self.timing.grace_s(overlap, ocfg.grace_gamma, ocfg.max_grace_s)
             if time.monotonic() < self.recovery_until:
                 # hold merges until the window closes: a learner re-sends the delta that was in
                 # flight at the crash first, and what it trained during the outage right after
