@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import time
 
 import pytest
 
@@ -12,27 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT / "services") not in sys.path:  # lets the suite run from a plain checkout too
     sys.path.insert(0, str(ROOT / "services"))
 
-from ddiloco.common.health import check  # noqa: E402
 from ddiloco.launcher.processes import Cluster  # noqa: E402
 
-# A tiny model and short windows keep every multi-process test within seconds on 2 cores.
-TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll a condition (never a bare sleep standing in for synchronisation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def wait_serving(address: str, timeout: float = 120.0) -> None:
-    wait_until(lambda: check(address, timeout=1.0)[0], timeout, f"{address} to answer SERVING")
+from support import TINY_RUN, wait_serving, wait_until  # noqa: E402,F401
 
 
 @pytest.fixture

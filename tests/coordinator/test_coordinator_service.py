@@ -13,7 +13,7 @@ from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 @pytest.fixture
 def coordinator(tmp_path):
-    from conftest import TINY_RUN, wait_serving
+    from support import TINY_RUN, wait_serving
 
     from ddiloco.launcher.processes import Cluster
 
@@ -52,7 +52,7 @@ def test_ids_and_shards_are_assigned_and_config_is_served(coordinator):
 
 
 def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(coordinator):
-    from conftest import wait_until
+    from support import wait_until
 
     _, stub = coordinator
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
@@ -95,7 +95,7 @@ def test_reflection_lists_the_services(coordinator):
 def test_state_survives_a_coordinator_restart(coordinator):
     """Membership is persisted: a new coordinator process on the same run folder knows
     the learners and the outer optimizer."""
-    from conftest import TINY_RUN, wait_serving
+    from support import TINY_RUN, wait_serving
 
     cluster, stub = coordinator
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)

@@ -17,7 +17,7 @@ REPORT_KEYS = {
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    from conftest import TINY_RUN
+    from support import TINY_RUN
 
     out = tmp_path_factory.mktemp("e2e")
     proc = subprocess.run(

@@ -11,7 +11,7 @@ from ddiloco.launcher.run import LaunchOptions, launch
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from conftest import TINY_RUN
+    from support import TINY_RUN
 
     out = tmp_path_factory.mktemp("fragments")
     flags = [*TINY_RUN, "--inner-steps", "6", "--fragments", "3", "--learners", "2", "--max-seconds", "20"]

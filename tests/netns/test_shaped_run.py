@@ -22,7 +22,7 @@ CODEC = ["--codec", "fp32"]
 
 @pytest.fixture(scope="module")
 def shaped_run(tmp_path_factory):
-    from conftest import TINY_RUN
+    from support import TINY_RUN
 
     out = tmp_path_factory.mktemp("shaped")
     proc = subprocess.run(

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import wait_until
+from support import wait_until
 
 from netns_helpers import leftovers, namespaces, requires_root
 
@@ -131,7 +131,7 @@ def test_signals_tear_down(tmp_path, sig):
 
 @requires_root
 def test_after_sigkill_of_a_run_cleanup_removes_namespaces_and_processes(tmp_path):
-    from conftest import TINY_RUN
+    from support import TINY_RUN
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "services")}

@@ -22,7 +22,7 @@ ROUND = 2 * 5 * 4 * 64
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    from conftest import TINY_RUN, wait_serving, wait_until
+    from support import TINY_RUN, wait_serving, wait_until
 
     from ddiloco.launcher.processes import Cluster
 
@@ -82,7 +82,7 @@ def probe(system):
     enc = codec.encode(p.delta(), "int8", 64)
     resp = p.push_raw(p.header(enc, 1, ids[0], base_version=v0), enc.payload)
     assert resp.outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
-    from conftest import wait_until
+    from support import wait_until
 
     wait_until(lambda: p.global_state()[0] > v0, 30, "the valid delta to merge")
     p.ids = ids
@@ -184,7 +184,7 @@ def test_base_version_from_the_future(probe):
 def test_stale_delta_beyond_the_bound(probe):
     """Learner A merges five rounds of work; learner B's delta from version 0 is then 5
     rounds behind (bound 4) and refused. A's own work never makes A's deltas stale."""
-    from conftest import wait_until
+    from support import wait_until
 
     a, b = probe.ids
     base = probe.global_state()[0]
