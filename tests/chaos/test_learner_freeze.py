@@ -24,6 +24,10 @@ def test_frozen_learner_is_passed_over_then_catches_up(system_factory):  # noqa:
     )
     relay = s.extra["throttle"]
     wait_until(lambda: s.merges_with(0) and s.merges_with(1), 180, "merges of both learners")
+    # and both heartbeat (a start-up longer than the 3 s lease counts a learner dead until its
+    # first heartbeat, which carries its statistics)
+    wait_until(lambda: (m := s.cluster.membership()) and len(m.members) == 2
+               and all(x.alive and x.stats.tokens > 0 for x in m.members), 60, "both learners to heartbeat")
     victim = s.backend.proc("learner:0")
     conn = wait_until(
         lambda: next((c for c in relay.conns if c.client_port in ports_of_pid(victim.popen.pid) and not c.closed), None),

@@ -37,6 +37,10 @@ if REASON:
 def test_partitioned_datacenter_trains_on_and_rejoins(system_factory):  # noqa: F811
     s = system_factory(learners=2, topology="netns", flags=["--lease-timeout", "3"])
     wait_until(lambda: s.merges_with(0) and s.merges_with(1), 180, "merges of both learners")
+    # and both heartbeat (a start-up longer than the 3 s lease counts a learner dead until its
+    # first heartbeat, which carries its statistics)
+    wait_until(lambda: (m := s.cluster.membership()) and len(m.members) == 2
+               and all(x.alive and x.stats.tokens > 0 for x in m.members), 60, "both learners to heartbeat")
     fid = s.chaos.inject("partition", "learner:1")
     t_cut = time.time()
     assert s.backend.partitioner.is_cut("dc1")
@@ -54,8 +58,8 @@ def test_partitioned_datacenter_trains_on_and_rejoins(system_factory):  # noqa: 
     assert not s.backend.partitioner.is_cut("dc1")
     # it reconnects by itself and rejoins: alive again, its work merged again
     wait_until(lambda: s.merges_with(1, after=t_heal), 120, "learner 1's deltas to be merged after the link came back")
-    m = s.cluster.membership()
-    assert next(x for x in m.members if x.learner_id == 1).alive
+    wait_until(lambda: (m := s.cluster.membership()) and next(x for x in m.members if x.learner_id == 1).alive, 60,
+               "learner 1's heartbeats to revive its lease")
     assert len(s.events("learner_registered")) == 2, "it rejoined without registering again"
 
     s.finish()
