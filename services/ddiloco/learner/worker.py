@@ -106,13 +106,16 @@ class Learner:
         self.server.start()
         try:
             self._register()
+            # heartbeat from here on: setting up (corpus, model, first pull) can outlast a
+            # lease on a loaded machine, and a learner starting up is not a dead one
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             self._setup()
         except InterruptedError:
+            self.stop_event.set()
             self.server.stop()
             return 0
         self.server.set_ready()
         self.phase = "training"
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         self.uploader.start()
         self.puller.start()
         try:
@@ -310,7 +313,7 @@ class Learner:
         beats = 0
         while not self.stop_event.wait(self.heartbeat_s):
             beats += 1
-            if self.config.learner.dynamic_local_updates and beats % 5 == 0:
+            if self.config.learner.dynamic_local_updates and beats % 5 == 0 and self.phase == "training":
                 try:
                     self._adapt_inner_steps()
                 except grpc.RpcError:
