@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import pathlib
 import signal
+import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
 
@@ -46,4 +49,12 @@ def main(args: argparse.Namespace) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())
     signal.signal(signal.SIGINT, lambda *_: learner.request_stop())
-    return learner.run()
+    code = learner.run()
+    # By now the learner has flushed its uploads and left the run. Skip interpreter
+    # finalisation: a daemon thread still inside a gRPC call there can make gRPC's C++ core
+    # abort the process ("terminate called without an active exception"), turning a clean
+    # exit into SIGABRT.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

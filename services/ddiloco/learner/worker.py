@@ -344,6 +344,9 @@ class Learner:
         self.uploader.stop()
         self.puller.stop()
         self.stop_event.set()
+        for thread in (self.uploader.thread, self.puller.thread):
+            if thread.is_alive():
+                thread.join(timeout=5)
         self.metrics.event(
             "learner_stop", learner=self.learner_id, flushed=flushed, tokens=self.stats.get("tokens"),
             deltas_sent=self.stats.get("deltas_sent"),
