@@ -20,32 +20,14 @@ from ddiloco.chaos.audit import audit_run
 from ddiloco.chaos.controller import ChaosController
 from ddiloco.chaos.faults import Schedule
 from ddiloco.chaos.local import LocalBackend, role_of
-from ddiloco.common.health import check
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import channel
 from ddiloco.launcher.processes import Cluster
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 
-# the suite's tiny run (tests/conftest.py TINY_RUN), repeated here: importing the root
-# conftest by name is ambiguous once several test folders have one
-TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll a condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def wait_serving(address: str, timeout: float = 120.0) -> None:
-    wait_until(lambda: check(address, timeout=1.0)[0], timeout, f"{address} to answer SERVING")
+# shared with the rest of the suite (tests/support.py)
+from support import TINY_RUN, wait_serving, wait_until  # noqa: E402,F401
 
 
 def free_port() -> int:
