@@ -94,7 +94,6 @@ class Pending:
     tensors: list[torch.Tensor]
     journal_path: pathlib.Path | None
     compute_seconds: float = 0.0
-    arrived: float = field(default_factory=time.monotonic)
 
 
 @dataclass
