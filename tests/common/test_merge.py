@@ -67,26 +67,105 @@ def test_one_full_round_is_exactly_torch_sgd_with_nesterov():
     assert torch.allclose(p_ours, ref_param.detach(), atol=1e-6)
 
 
-def test_a_round_split_into_m_merges_moves_as_far_as_one_synchronous_step_in_steady_state():
-    """Constant pseudo-gradient g: after many rounds, the per-round update of M partial
-    merges (f = 1/M each) matches the synchronous step within a few percent, whatever M."""
-    g = torch.ones(1)
-    sync = merge.WorkClockNesterov(0.7, 0.9)
-    p_sync = torch.zeros(1)
-    for _ in range(200):
-        sync.step([p_sync], [g], 1.0)
-    before = p_sync.clone()
-    sync.step([p_sync], [g], 1.0)
-    sync_step = (before - p_sync).item()
-    for m in (2, 4, 8):
+def _steady_round_update(fractions_per_round, rounds=300, staleness=0.0):
+    """Per-round update after ``rounds`` rounds of a constant pseudo-gradient g = 1."""
+    opt = merge.WorkClockNesterov(0.7, 0.9)
+    p = torch.zeros(1, dtype=torch.float64)  # float64: the position grows to thousands of g
+    g = torch.ones(1, dtype=torch.float64)
+    for _ in range(rounds):
+        for f in fractions_per_round:
+            opt.step([p], [g], f, staleness)
+    before = p.clone()
+    for f in fractions_per_round:
+        opt.step([p], [g], f, staleness)
+    return (before - p).item()
+
+
+def test_the_synchronous_step_moves_lr_over_one_minus_momentum_per_round():
+    assert _steady_round_update([1.0]) == pytest.approx(0.7 / (1 - 0.9), rel=1e-9)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8, 16])
+def test_a_round_split_into_m_equal_merges_moves_exactly_as_far_as_the_synchronous_step(m):
+    assert _steady_round_update([1.0 / m] * m) == pytest.approx(7.0, rel=1e-3)
+
+
+def test_any_arrival_pattern_moves_exactly_as_far_per_round_in_steady_state():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        parts = torch.rand(int(torch.randint(1, 9, (1,), generator=gen)), generator=gen)
+        fractions = (parts / parts.sum()).tolist()
+        assert _steady_round_update(fractions) == pytest.approx(7.0, rel=1e-3)
+
+
+def test_staleness_shortens_the_momentum_memory_but_never_the_steady_state_update():
+    for staleness in (0.5, 1.0, 3.0):
+        assert _steady_round_update([0.25] * 4, staleness=staleness) == pytest.approx(7.0, rel=1e-3)
+
+
+def test_a_backlog_of_k_rounds_moves_one_synchronous_step_plus_the_rest_at_unit_gain():
+    """From rest: f = 1 moves lr * (1 + momentum) * g; each further round moves g once."""
+    for k in (1.0, 2.0, 5.5, 100.0):
         opt = merge.WorkClockNesterov(0.7, 0.9)
         p = torch.zeros(1)
-        for _ in range(200 * m):
-            opt.step([p], [g], 1.0 / m)
-        before = p.clone()
-        for _ in range(m):
-            opt.step([p], [g], 1.0 / m)
-        assert (before - p).item() == pytest.approx(sync_step, rel=0.06)
+        opt.step([p], [torch.ones(1)], k)
+        assert -p.item() == pytest.approx(0.7 * 1.9 + (k - 1.0), rel=1e-6)
+
+
+def test_a_backlog_decays_the_momentum_for_the_rounds_it_stands_for():
+    opt = merge.WorkClockNesterov(0.7, 0.9)
+    opt.step([torch.zeros(1)], [torch.ones(1)], 3.0)
+    assert opt.buffers[0].item() == pytest.approx(0.9**2, rel=1e-6)
+
+
+def test_a_backlog_costs_one_step_whatever_the_work_it_claims():
+    """The server never does work proportional to a caller's number: 1e12 rounds is one step."""
+    opt = merge.WorkClockNesterov(0.7, 0.9)
+    p = torch.zeros(1)
+    opt.step([p], [torch.full((1,), 1e-12)], 1e12)
+    assert math.isfinite(p.item())
+
+
+def test_the_adam_step_bound_is_the_cauchy_schwarz_closed_form():
+    assert merge.adam_step_bound(0.9, 0.95) == pytest.approx(0.1 / math.sqrt(0.05 * (1 - 0.81 / 0.95)))
+    assert merge.adam_step_bound(0.9, 0.999) == pytest.approx(0.1 / math.sqrt(0.001 * (1 - 0.81 / 0.999)))
+    # never below 1 (the first bias-corrected step is exactly lr * sign(g)); equal at b2 = b1
+    assert merge.adam_step_bound(0.5, 0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        merge.adam_step_bound(0.99, 0.95)  # beta1^2 >= beta2: unbounded
+
+
+def test_no_gradient_sequence_makes_adamw_exceed_the_delta_bound():
+    """Adversarial gradients (tiny then huge, sign flips, constant) against torch's AdamW."""
+    steps, lr, wd = 20, 1e-3, 0.1
+    sequences = {
+        "constant": [1.0] * steps,
+        "tiny-then-huge": [1e-8] * (steps - 1) + [1e8],
+        "huge-then-tiny": [1e8] + [1e-8] * (steps - 1),
+        "alternating": [(-1.0) ** i * 10.0 ** (i % 7) for i in range(steps)],
+        "growing": [2.0**i for i in range(steps)],
+    }
+    for name, grads in sequences.items():
+        p = torch.nn.Parameter(torch.full((1,), 3.0))
+        opt = torch.optim.AdamW([p], lr=lr, weight_decay=wd, betas=(0.9, 0.95))
+        start = p.detach().clone()
+        for g in grads:
+            p.grad = torch.full((1,), g)
+            opt.step()
+        moved = (p.detach() - start).abs().item()
+        bound = merge.delta_linf_bound(steps, lr, wd, param_linf=3.0)
+        assert moved <= bound / 2, f"{name}: moved {moved} > {bound / 2}"
+
+
+def test_the_quorum_is_k_but_never_more_than_the_live_learners_and_at_least_one():
+    assert merge.quorum_size(4, 8) == 4
+    assert merge.quorum_size(4, 2) == 2
+    assert merge.quorum_size(4, 0) == 1
+
+
+def test_an_acknowledged_delta_beyond_the_bound_gets_the_bound_discount_instead_of_being_dropped():
+    assert merge.staleness_discount(9.0, 4.0) is None
+    assert merge.staleness_discount(9.0, 4.0, clamp=True) == pytest.approx(0.25)
 
 
 def test_naive_per_arrival_steps_move_m_times_too_far():
@@ -115,10 +194,11 @@ def test_staleness_shortens_the_momentum_memory_and_zero_staleness_changes_nothi
     plain.step([pp], [g], 0.25)
     stale.step([ps], [g], 0.25, staleness=1.0)
     assert torch.equal(pf, pp)
-    # second step: the buffer decayed by 0.9 ** (0.25 * 2) instead of 0.9 ** 0.25
+    # the buffer decays by d = 0.9 ** (0.25 * (1 + s)) and gains (1 - d) / (1 - 0.9)
     fresh.step([pf], [g], 0.25, staleness=0.0)
     stale.step([ps], [g], 0.25, staleness=1.0)
-    assert stale.buffers[0].item() == pytest.approx(0.25 * 0.9**0.5 + 0.25)
-    assert fresh.buffers[0].item() == pytest.approx(0.25 * 0.9**0.25 + 0.25)
+    d_stale, d_fresh = 0.9**0.5, 0.9**0.25
+    assert stale.buffers[0].item() == pytest.approx((1 - d_stale) / 0.1 * (d_stale + 1))
+    assert fresh.buffers[0].item() == pytest.approx((1 - d_fresh) / 0.1 * (d_fresh + 1))
     with pytest.raises(ValueError):
         stale.step([ps], [g], 0.25, staleness=-1.0)

@@ -195,3 +195,48 @@ def test_stale_delta_beyond_the_bound(probe):
     wait_until(lambda: probe.global_state()[0] >= base + 5, 30, "five merges")
     enc = codec.encode(probe.delta(), "int8", 64)
     refused(probe, lambda: probe.push_raw(probe.header(enc, 1, b, base_version=base), enc.payload), grpc.StatusCode.FAILED_PRECONDITION, "stale")
+
+
+# ---------------------------------------------------------------- what a header may claim
+def _claim(probe, **fields):
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0], base_version=probe.global_state()[0])
+    for k, v in fields.items():
+        setattr(header, k, v)
+    return header, enc.payload
+
+
+def test_an_inflated_token_count_is_refused_and_the_service_stays_responsive(probe):
+    """2^62 tokens used to hold the state lock for 2^62 / round merge substeps, forever."""
+    header, payload = _claim(probe, tokens=2**62)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "tokens=")
+    assert probe.client.status().version >= 1
+
+
+def test_tokens_that_are_not_a_whole_batch_per_step_are_refused(probe):
+    header, payload = _claim(probe, tokens=5 * 64 * 4 + 1)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "a batch in")
+
+
+def test_more_inner_steps_than_a_delta_may_coalesce_are_refused(probe):
+    header, payload = _claim(probe, inner_steps=10**9, tokens=10**9 * 64 * 4)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "coalesced windows")
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), -1.0, 1e12])
+def test_an_impossible_compute_time_is_refused(probe, seconds):
+    header, payload = _claim(probe, compute_seconds=seconds)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds")
+
+
+def test_a_finite_delta_larger_than_adamw_can_move_is_refused(probe):
+    """Values around 1e6 used to be accepted and sent the eval loss to 5e12."""
+    enc = codec.encode(probe.delta(scale=1e6), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0], base_version=probe.global_state()[0])
+    refused(probe, lambda: probe.push_raw(header, enc.payload), grpc.StatusCode.INVALID_ARGUMENT, "AdamW steps")
+
+
+def test_a_sequence_number_far_ahead_is_refused(probe):
+    """Accepting it would make the learner's own next deltas look like repeats."""
+    header, payload = _claim(probe, seq=probe.seq + 10**6)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "jumps more than")

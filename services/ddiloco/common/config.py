@@ -69,6 +69,10 @@ class LearnerConfig:
     # Dynamic local updates: a learner slower than its peers syncs after proportionally fewer
     # steps, so every learner sends at about the same wall-clock rate.
     dynamic_local_updates: bool = False
+    # At most this many H-step windows are summed into one delta when uploads fall behind
+    # (an outer optimizer down, a slow link); beyond it the learner waits for its uploads.
+    # Bounds the memory of queued work and what a delta header may claim (outer/admission.py).
+    max_coalesce_windows: int = 64
 
 
 @dataclass
@@ -89,11 +93,15 @@ class OuterConfig:
     staleness_gain: float = 2.0
     # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
     # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
-    # 0: half of H. Learners never wait for a merge, so the overlap is theirs to choose;
-    # half a window lets equal-speed learners' deltas, which arrive together, merge together.
+    # 0: H. Learners never wait for a merge: an early learner trains its next window
+    # meanwhile, and as long as the merge reaches it before that window ends its next delta
+    # is based on the merged version, so waiting costs it nothing. gamma = 0.5 keeps half of
+    # that slack for the download and for jitter.
     overlap_steps: int = 0
     grace_gamma: float = 0.5
-    max_grace_s: float = 5.0
+    # An upper bound on the grace window in seconds; 0: the lease timeout (waiting longer
+    # than a lease would wait on a learner that may already be dead).
+    max_grace_s: float = 0.0
     # A delta is discounted once more than one round of other work was merged after its base
     # version, and refused beyond this many rounds (see ddiloco.common.merge).
     max_staleness_rounds: float = 4.0

@@ -281,15 +281,22 @@ class OuterService:
         state = self.state
         ocfg = self.config.outer
         while not self.stop_event.is_set():
-            overlap = ocfg.overlap_steps or max(1, self.config.learner.inner_steps // 2)
-            grace = self.timing.grace_s(overlap, ocfg.grace_gamma, ocfg.max_grace_s)
+            overlap = ocfg.overlap_steps or self.config.learner.inner_steps
+            grace = self.timing.grace_s(overlap, ocfg.grace_gamma, ocfg.max_grace_s or self.config.lease_timeout_s)
+            live = self.known.live_count(self.config.learners)
             if time.monotonic() < self.recovery_until:
-                # hold merges until the window closes: a learner re-sends the delta that was in
-                # flight at the crash first, and what it trained during the outage right after
-                with state.lock:
-                    state.lock.wait(min(0.25, self.recovery_until - time.monotonic()))
-                continue
-            due = state.due_fragments(self.known.live_count(self.config.learners), grace)
+                # after a restart, hold merges until every live learner's re-sent delta is in
+                # (bounded): they all trained from the same base while this process was down,
+                # and merging the first arrivals alone would make the others look stale. The
+                # hold ends as soon as they are all in, so even a process that crashes every
+                # few seconds still merges.
+                if all(len(ids) >= live for ids in state.pending_learners()):
+                    self.recovery_until = 0.0
+                else:
+                    with state.lock:
+                        state.lock.wait(min(0.25, max(0.0, self.recovery_until - time.monotonic())))
+                    continue
+            due = state.due_fragments(live, grace)
             if not due:
                 with state.lock:
                     # woken by every accepted delta; the timeout lets a grace window expire

@@ -48,6 +48,7 @@ from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, is_embedding
 from ddiloco.common.wire import Refused, decode_payload
+from ddiloco.outer import admission
 from ddiloco.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
@@ -165,11 +166,7 @@ class OuterState:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"fragment {header.fragment} does not exist; this run has {len(self.fragments)}"
             )
-        if header.tokens <= 0 or header.inner_steps <= 0:
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a delta must represent work: tokens={header.tokens}, inner_steps={header.inner_steps}",
-            )
+        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds)
         frag = self.fragments[header.fragment]
         with self._learner_lock(header.learner_id):
             with self.lock:
@@ -180,6 +177,13 @@ class OuterState:
                         grpc.StatusCode.ALREADY_EXISTS,
                         f"learner {header.learner_id} sequence {header.seq} already accepted (last {rec.last_seq_accepted})",
                     )
+                if header.seq > rec.last_seq_accepted + admission.MAX_SEQ_JUMP:
+                    rec.refused += 1
+                    raise Refused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"learner {header.learner_id} sequence {header.seq} jumps more than {admission.MAX_SEQ_JUMP} "
+                        f"past its last accepted one ({rec.last_seq_accepted})",
+                    )
                 try:
                     self._check_staleness(frag, header.base_version, header.learner_id)
                 except Refused:
@@ -187,6 +191,9 @@ class OuterState:
                     raise
             try:
                 tensors = self._decode(frag, header, payload)
+                with self.lock:
+                    current = [self.params[i] for i in frag.tensor_ids]
+                    admission.check_magnitude(cfg, [self.names[i] for i in frag.tensor_ids], tensors, current, header.inner_steps)
             except Refused:
                 with self.lock:
                     rec.refused += 1
@@ -288,7 +295,7 @@ class OuterState:
         now = time.monotonic() if now is None else now
         out = []
         with self.lock:
-            k = max(1, min(self.config.outer.quorum, max(live_learners, 1)))
+            k = merge.quorum_size(self.config.outer.quorum, live_learners)
             for frag in self.fragments:
                 distinct = len({p.learner_id for p in frag.pending})
                 if distinct < k:
@@ -300,25 +307,29 @@ class OuterState:
                     out.append(frag.index)
         return out
 
+    def pending_learners(self) -> list[set[int]]:
+        """Per fragment, the learners with a delta waiting to be merged."""
+        with self.lock:
+            return [{p.learner_id for p in f.pending} for f in self.fragments]
+
     def merge(self, fragment: int, force: bool = False) -> bool:
         """Merge the fragment's pending deltas. Without ``force`` the quorum must be met."""
         frag = self.fragments[fragment]
         with self.lock:
             if not frag.pending:
                 return False
-            if not force and len({p.learner_id for p in frag.pending}) < max(1, self.config.outer.quorum):
+            if not force and len({p.learner_id for p in frag.pending}) < merge.quorum_size(self.config.outer.quorum, self.config.learners):
                 return False
             batch, frag.pending = frag.pending, []
             frag.quorum_since = None
             infos, kept, staleness, dropped = [], [], [], []
             for p in batch:
-                discount = self._discount(frag, p.base_version, p.learner_id)
-                if discount is None:  # became too stale while waiting for the quorum
-                    dropped.append([p.learner_id, p.seq])
-                    self.learners[p.learner_id].refused += 1
-                    self.metrics.event("delta_dropped_stale", learner=p.learner_id, seq=p.seq, fragment=fragment)
-                    continue
-                staleness.append(self._rounds_behind(frag, p.base_version, p.learner_id))
+                # acknowledged, so never dropped: one that grew staler than the bound while it
+                # waited (or whose base fell out of tracking across a restart) gets the bound's
+                # discount
+                rounds = self._rounds_behind(frag, p.base_version, p.learner_id) if p.base_version in frag.tokens_at_version else math.inf
+                discount = merge.staleness_discount(rounds, self.config.outer.max_staleness_rounds, clamp=True)
+                staleness.append(min(rounds, self.config.outer.max_staleness_rounds))
                 infos.append(merge.DeltaInfo(p.tokens, p.inner_steps, discount))
                 kept.append(p)
             if kept:
@@ -370,12 +381,10 @@ class OuterState:
         h = self.config.learner.inner_steps
         tensors = [t if steps == h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
         direction = merge.combine(tensors, weights, self.config.outer.merge_rule, plain)
-        # More than one round of work at once (coalesced windows) is applied as that many
-        # work-clock steps of the same direction: one step of fraction f > 1 would put an
-        # f^2 term into the Nesterov update and overshoot several-fold.
-        substeps = max(1, math.ceil(fraction - 1e-9))
-        for _ in range(substeps):
-            frag.optimizer.step(params, direction, fraction / substeps, staleness)
+        # One step whatever the fraction: a merge worth more than a round (a backlog) takes
+        # its first round as an ordinary step and the rest at unit gain (merge module
+        # docstring), in time independent of the tokens a header claims.
+        frag.optimizer.step(params, direction, fraction, staleness)
         frag.version += 1
         self.version += 1
         self.outer_steps += 1

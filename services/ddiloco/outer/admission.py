@@ -1,0 +1,82 @@
+"""What a delta header and payload may claim, checked against what the run makes possible.
+
+Every number a learner sends decides real work or real weight on the server: ``tokens``
+weights the merge and advances every other learner's staleness clock, ``inner_steps`` sets
+the H rescaling, ``compute_seconds`` feeds the grace window, the values move the model. Each
+is validated for its *meaning* here, before the delta is journaled or queued, so a buggy or
+hostile caller gets a precise INVALID_ARGUMENT and the state does not change.
+
+Bounds and why
+--------------
+* ``inner_steps``: at least 1, at most ``max_coalesce_windows x H``: the learner's uploader
+  never sums more windows than that into one delta (it waits instead, see
+  ``learner/uploader.py``).
+* ``tokens``: exactly ``inner_steps x batch x context`` for a whole batch ``1 <= batch <=
+  MAX_BATCH_FACTOR x`` the run's batch. Learners may run another batch size than the run's
+  (a bigger site, or an emulated one), but a batch 16x the run's is no longer the same
+  recipe; more would let one learner claim the merge's weight and everyone's staleness.
+* ``seq``: above the last accepted one (else ALREADY_EXISTS), by at most ``MAX_SEQ_JUMP``.
+* ``compute_seconds``: finite, non-negative, at most a lease per step: a step slower than a
+  lease would get the learner declared dead before it finished.
+* values: finite (the codec checks) and, per coordinate, within what that many AdamW steps
+  at the run's peak learning rate can move a parameter (``merge.delta_linf_bound``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import torch
+
+from ddiloco.common import merge
+from ddiloco.common.config import RunConfig
+from ddiloco.common.wire import Refused
+
+MAX_BATCH_FACTOR = 16
+# A learner's sequence numbers go up by one per upload (a refused upload uses one up too).
+# A jump beyond this cannot come from an uploader, and would make the learner's own later
+# deltas look like repeats (ALREADY_EXISTS).
+MAX_SEQ_JUMP = 1024
+
+
+def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float) -> None:
+    """Refuse a header whose work figures no learner of this run could produce."""
+    h = config.learner.inner_steps
+    max_steps = config.learner.max_coalesce_windows * h
+    if not 1 <= inner_steps <= max_steps:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"inner_steps={inner_steps} is outside [1, {max_steps}] "
+            f"(H={h} x at most {config.learner.max_coalesce_windows} coalesced windows)",
+        )
+    context = config.model.context
+    per_step, rest = divmod(tokens, inner_steps * context) if tokens > 0 else (0, 1)
+    max_batch = MAX_BATCH_FACTOR * config.learner.batch_size
+    if rest or not 1 <= per_step <= max_batch:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"tokens={tokens} is not inner_steps ({inner_steps}) x context ({context}) x a batch in [1, {max_batch}]",
+        )
+    if not (math.isfinite(compute_seconds) and 0 <= compute_seconds <= inner_steps * config.lease_timeout_s):
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"compute_seconds={compute_seconds} is not a time {inner_steps} steps can take "
+            f"(0 to {config.lease_timeout_s} s per step)",
+        )
+
+
+def check_magnitude(
+    config: RunConfig, names: list[str], tensors: list[torch.Tensor], params: list[torch.Tensor], inner_steps: int
+) -> None:
+    """Refuse a pseudo-gradient larger, in any coordinate, than ``inner_steps`` AdamW steps allow."""
+    lcfg = config.learner
+    for name, t, p in zip(names, tensors, params):
+        bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, float(p.abs().max()) if p.numel() else 0.0)
+        peak = float(t.abs().max()) if t.numel() else 0.0
+        if peak > bound:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tensor {name!r} changes a coordinate by {peak:.4g}; {inner_steps} AdamW steps at lr {lcfg.lr} "
+                f"can move it at most {bound:.4g}",
+            )
