@@ -73,6 +73,39 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_close_to_the_truth():
     assert np.abs(fb.residual["d"]).max() < 0.01
 
 
+TENSORS = {"embed": (40, 16), "attn.w": (16, 48), "attn.b": (48,), "mlp.w": (16, 64), "mlp.b": (64,), "ln": (16,), "head": (16, 40), "scale": ()}
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4"])
+@pytest.mark.parametrize("fragments", [1, 2, 8])
+def test_error_feedback_keeps_each_fragments_residual_until_its_own_next_upload(codec_name, fragments):
+    """Each round, the P fragments upload their tensors in separate calls to one shared
+    ErrorFeedback (as the uploader does). Over 50 rounds, the sum of what was sent stays
+    within one round's quantization error of the sum of the truth, for every tensor: another
+    fragment's upload must not discard a residual that is not its own."""
+    rng = np.random.default_rng(fragments)
+    names = list(TENSORS)
+    groups = [names[f::fragments] for f in range(fragments)]
+    fb = codec.ErrorFeedback()
+    true_sum = {n: np.zeros(TENSORS[n], np.float64) for n in names}
+    sent_sum = {n: np.zeros(TENSORS[n], np.float64) for n in names}
+    one_round = {n: 0.0 for n in names}  # the largest error a single round's quantization makes
+    for _ in range(50):
+        for group in groups:
+            deltas = [(n, rng.normal(scale=0.01, size=TENSORS[n]).astype(np.float32)) for n in group]
+            enc = fb.encode(deltas, codec_name, 32)
+            sent = dict(codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256))
+            for n, d in deltas:
+                true_sum[n] += d
+                sent_sum[n] += sent[n]
+                # the input that round was d plus a residual of at most half a step, so its
+                # step is at most 1 + 1/(2 qmax) times d's own
+                one_round[n] = max(one_round[n], float(codec.max_block_error(d, codec_name, 32).max()) * 1.1)
+    for n in names:
+        gap = float(np.abs(true_sum[n] - sent_sum[n]).max())
+        assert gap <= one_round[n] + 1e-7, f"{n}: cumulative error {gap:.3g} exceeds one round's {one_round[n]:.3g}"
+
+
 def test_non_finite_input_is_refused_at_encode():
     with pytest.raises(codec.CodecError, match="NaN or Inf"):
         codec.encode([("bad", np.array([1.0, np.nan], np.float32))], "int8")

@@ -217,6 +217,10 @@ class ErrorFeedback:
     What a lossy codec drops this round is added to next round's input, so the error does
     not accumulate: over many rounds, the sum of what was sent tracks the sum of the true
     pseudo-gradients within one round's quantization error.
+
+    The residual is kept per tensor name, and a call updates only the tensors it encodes:
+    with P fragments each call carries one fragment's tensors, and each fragment's residual
+    must survive the other fragments' uploads until its own next one.
     """
 
     def __init__(self) -> None:
@@ -225,7 +229,11 @@ class ErrorFeedback:
     def encode(self, arrays: list[tuple[str, np.ndarray]], codec: str, block_size: int) -> Encoded:
         corrected = [(n, a + self.residual[n]) if n in self.residual else (n, a) for n, a in arrays]
         enc = encode(corrected, codec, block_size)
-        if codec != "fp32":
-            decoded = decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
-            self.residual = {n: c - d for (n, c), (_, d) in zip(corrected, decoded)}
+        if codec == "fp32":
+            for n, _ in arrays:  # sent exactly, residual included: nothing left to carry
+                self.residual.pop(n, None)
+            return enc
+        decoded = decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
+        for (n, c), (_, d) in zip(corrected, decoded):
+            self.residual[n] = np.asarray(c, dtype=np.float32) - d
         return enc
