@@ -1,8 +1,15 @@
 """Atomic, durable file writes: write a temporary file, fsync it, rename it over the
-target, fsync the folder. A crash at any moment leaves either the old or the new file."""
+target, fsync the folder. A crash at any moment leaves either the old or the new file.
+
+A write that fails (disk full, read-only file system, I/O error) raises ``StorageError``,
+which names the path and the errno, and removes its temporary file: a failed write leaves
+the folder exactly as it was. A crash can still leave a temporary behind (the process dies
+before it can clean up); ``remove_temporaries`` clears those at the next start.
+"""
 
 from __future__ import annotations
 
+import errno as errno_mod
 import itertools
 import json
 import os
@@ -10,6 +17,20 @@ import pathlib
 import threading
 
 _unique = itertools.count()
+TMP_MARK = ".tmp"  # every temporary this module (and the checkpoint writer) makes has it in its name
+
+
+class StorageError(OSError):
+    """A durable write failed; nothing was replaced. Still an ``OSError`` for old callers."""
+
+    def __init__(self, path: pathlib.Path, cause: OSError) -> None:
+        code = cause.errno if cause.errno is not None else errno_mod.EIO
+        super().__init__(code, cause.strerror or str(cause))
+        self.path = pathlib.Path(path)
+
+    def __str__(self) -> str:
+        name = errno_mod.errorcode.get(self.errno, "?")
+        return f"cannot write {self.path}: [Errno {self.errno} {name}] {self.strerror}"
 
 
 def fsync_dir(path: pathlib.Path) -> None:
@@ -20,17 +41,56 @@ def fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: pathlib.Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def temporary_name(path: pathlib.Path) -> pathlib.Path:
+    """A fresh hidden name next to ``path``: unique per write, so two threads saving the same
+    file never share a temporary."""
+    path = pathlib.Path(path)
+    return path.with_name(f".{path.name}{TMP_MARK}-{os.getpid()}-{threading.get_ident()}-{next(_unique)}")
+
+
 def write_bytes(path: pathlib.Path, data: bytes) -> None:
     path = pathlib.Path(path)
-    # unique per write: two threads saving the same file must not share a temporary
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}-{next(_unique)}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the folder itself is gone or unwritable; the next start cleans up
+        if isinstance(exc, StorageError):
+            raise
+        raise StorageError(path, exc) from exc
 
 
 def write_json(path: pathlib.Path, obj) -> None:
     write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def remove_temporaries(folder: pathlib.Path) -> list[pathlib.Path]:
+    """Delete what torn writes left in ``folder`` (hidden names containing ``.tmp``): call it
+    only at start, when no write of this process can be in flight. Returns what it removed."""
+    import shutil
+
+    removed = []
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        if p.name.startswith(".") and TMP_MARK in p.name:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
