@@ -271,18 +271,18 @@ class OuterState:
 
     # ----------------------------------------------------------------- journal
     def _journal(self, header: outer_pb2.DeltaHeader, payload: bytes) -> pathlib.Path | None:
+        """Durable before it returns. A failed write (disk full) raises ``StorageError`` with
+        nothing written, before any state changed: the service answers with a retryable
+        status and the learner sends the same sequence again (``outer/journal.py``)."""
         if self.state_dir is None:
             return None
-        path = self.state_dir / "journal" / f"{header.learner_id:05d}-{header.seq:010d}.delta"
-        head = header.SerializeToString()
-        write_bytes(path, struct.pack("<I", len(head)) + head + payload)
-        return path
+        return self.journal.write(header, payload)
 
     @staticmethod
     def _read_journal(path: pathlib.Path) -> tuple[outer_pb2.DeltaHeader, bytes]:
-        blob = path.read_bytes()
-        (n,) = struct.unpack("<I", blob[:4])
-        return outer_pb2.DeltaHeader.FromString(blob[4 : 4 + n]), blob[4 + n :]
+        from ddiloco.outer.journal import read_entry
+
+        return read_entry(path)
 
     # ----------------------------------------------------------------- merging
     def due_fragments(self, live_learners: int, grace_s: float, now: float | None = None) -> list[int]:
@@ -448,24 +448,36 @@ class OuterState:
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self) -> pathlib.Path | None:
-        """Write parameters + momentum (safetensors) and state (JSON) atomically.
+        """Write parameters, momentum and state as a new checkpoint (``outer/checkpoint.py``:
+        atomic replacement, fallback, no-op when nothing changed).
 
-        The pair goes into a fresh folder that is renamed into place, then ``LATEST`` is
-        replaced atomically: a crash at any moment leaves the previous checkpoint loadable.
+        A storage failure never propagates: the journal and merge records still hold every
+        acknowledged delta and merge, so serving and merging go on. It is logged, recorded
+        in ``self.checkpoints.last_error`` and as a ``checkpoint_failed`` event, and retried
+        at the next merge (the merge count is not reset) and by the service's retry loop.
         """
         if self.state_dir is None:
             return None
+        from ddiloco.common.durable import StorageError
+
         with self._checkpoint_lock:
-            return self._checkpoint()
+            try:
+                path = self._checkpoint()
+            except StorageError as exc:
+                self.checkpoints.record_failure(exc)
+                log.error("checkpoint failed, serving on and retrying later: %s", exc)
+                self.metrics.event("checkpoint_failed", error=str(exc), errno=exc.errno, failures=self.checkpoints.failures)
+                return None
+            if self.checkpoints.recovered():
+                log.info("checkpoint written again after %d failures", self.checkpoints.failures)
+                self.metrics.event("checkpoint_recovered", version=self.version, path=str(path))
+            return path
 
     def _checkpoint(self) -> pathlib.Path:
         assert self.state_dir is not None
         with self.lock:
-            tensors = {f"param/{n}": p.clone() for n, p in zip(self.names, self.params)}
-            for frag in self.fragments:
-                if frag.optimizer.buffers is not None:
-                    for i, b in zip(frag.tensor_ids, frag.optimizer.buffers):
-                        tensors[f"momentum/{self.names[i]}"] = b.clone()
+            # a journaled delta is covered once it is accepted and no longer pending (merged);
+            # by sequence alone is not enough when fragments merge out of order
             state = {
                 "run_id": self.config.run_id,
                 "version": self.version,
@@ -483,57 +495,53 @@ class OuterState:
                     for f in self.fragments
                 ],
                 "learners": {str(k): r.to_json() for k, r in self.learners.items()},
-                "written_at": time.time(),
+                "pending": sorted([p.learner_id, p.seq] for f in self.fragments for p in f.pending),
             }
-            # a journaled delta is covered once it is accepted and no longer pending (merged
-            # or dropped); by sequence alone is not enough when fragments merge out of order
-            accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
-            pending = {(p.learner_id, p.seq) for f in self.fragments for p in f.pending}
-            state["pending"] = sorted(pending)
-            self._merges_since_checkpoint = 0
-        root = self.state_dir / "checkpoints"
-        name = f"v{state['version']:08d}"
-        tmp = root / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file(tensors, str(tmp / "global.safetensors"), metadata={"version": str(state["version"])})
-        with open(tmp / "global.safetensors", "rb+") as f:
-            os.fsync(f.fileno())
-        write_json(tmp / "state.json", state)
-        fsync_dir(tmp)
-        final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(root)
-        write_bytes(root / "LATEST", name.encode())
-        for old in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v") and p != final)[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
-        # merge records and journal entries now covered by the checkpoint are no longer needed
-        for path in (self.state_dir / "merges").glob("*.json"):
-            if int(path.stem) <= state["version"]:
-                path.unlink(missing_ok=True)
-        for path in (self.state_dir / "journal").glob("*.delta"):
-            learner, seq = (int(x) for x in path.stem.split("-"))
-            if seq <= accepted.get(learner, 0) and (learner, seq) not in pending:
-                path.unlink(missing_ok=True)
-        self.metrics.event("checkpoint", version=state["version"], path=str(final))
-        return final
+            merges, self._merges_since_checkpoint = self._merges_since_checkpoint, 0
+            if self.checkpoints.is_current(state):
+                return self.checkpoints.latest  # nothing changed since: rewriting it is pure risk
+            tensors = {f"param/{n}": p.clone() for n, p in zip(self.names, self.params)}
+            for frag in self.fragments:
+                if frag.optimizer.buffers is not None:
+                    for i, b in zip(frag.tensor_ids, frag.optimizer.buffers):
+                        tensors[f"momentum/{self.names[i]}"] = b.clone()
+        try:
+            path, _ = self.checkpoints.write(tensors, state)
+        except Exception:
+            with self.lock:
+                self._merges_since_checkpoint += merges  # still due: the next merge retries
+            raise
+        self.metrics.event("checkpoint", version=state["version"], path=str(path))
+        return path
 
     def _restore(self) -> None:
+        """Load the newest complete checkpoint, replay the merge records after it, re-queue
+        the journaled deltas no merge took. Refuses to start (raises) rather than lose an
+        acknowledged delta or go back in versions: an unreadable journal entry the checkpoint
+        does not cover (``JournalCorrupt``), or a checkpoint fallback that cannot be brought
+        back to the version ``LATEST`` names (``CheckpointError``)."""
         assert self.state_dir is not None
-        root = self.state_dir / "checkpoints"
-        latest = root / "LATEST"
-        ckpt_accepted: dict[int, int] = {}  # no checkpoint: nothing is covered
-        ckpt_pending: set | None = set()
-        if latest.exists():
-            path = root / latest.read_text().strip()
-            tensors = load_file(str(path / "global.safetensors"))
-            state = json.loads((path / "state.json").read_text())
+        from ddiloco.outer.checkpoint import CheckpointError, CheckpointStore
+        from ddiloco.outer.journal import DeltaJournal
+
+        self.checkpoints = CheckpointStore(self.state_dir)
+        self.journal = DeltaJournal(self.state_dir / "journal")
+        # only this process writes here, and it has not started writing: any temporary is torn
+        removed = self.checkpoints.clean_temporaries()
+        if removed:
+            log.warning("removed %d torn temporaries: %s", len(removed), ", ".join(p.name for p in removed))
+            self.metrics.event("temporaries_removed", paths=[str(p) for p in removed])
+        loaded = self.checkpoints.load()
+        covered = lambda learner, seq: False  # noqa: E731 -- no checkpoint: nothing is covered
+        if loaded is not None:
+            path, tensors, state = loaded.path, loaded.tensors, loaded.state
+            for reason in loaded.skipped:
+                log.error("checkpoint not usable, falling back to an older one: %s", reason)
+                self.metrics.event("checkpoint_skipped", reason=reason)
             if state["run_id"] != self.config.run_id:
-                raise RuntimeError(f"checkpoint in {path} belongs to run {state['run_id']!r}, not {self.config.run_id!r}")
+                raise CheckpointError(f"checkpoint in {path} belongs to run {state['run_id']!r}, not {self.config.run_id!r}")
             if len(state["fragments"]) != len(self.fragments):
-                raise RuntimeError(f"checkpoint in {path} has {len(state['fragments'])} fragments, the run has {len(self.fragments)}")
+                raise CheckpointError(f"checkpoint in {path} has {len(state['fragments'])} fragments, the run has {len(self.fragments)}")
             self.params = [tensors[f"param/{n}"].clone() for n in self.names]
             for frag, fs in zip(self.fragments, state["fragments"]):
                 if f"momentum/{self.names[frag.tensor_ids[0]]}" in tensors:
@@ -546,8 +554,13 @@ class OuterState:
             self.version = state["version"]
             self.outer_steps = state["outer_steps"]
             self.learners = {int(k): LearnerRecord.from_json(v) for k, v in state["learners"].items()}
-            ckpt_accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
-            ckpt_pending = {tuple(x) for x in state["pending"]} if "pending" in state else None
+            accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
+            applied = {k: r.last_seq_applied for k, r in self.learners.items()}
+            if "pending" in state:
+                pending = {tuple(x) for x in state["pending"]}
+                covered = lambda learner, seq: seq <= accepted.get(learner, 0) and (learner, seq) not in pending  # noqa: E731
+            else:  # a checkpoint from before pending deltas were recorded
+                covered = lambda learner, seq: seq <= applied.get(learner, 0)  # noqa: E731
             for rec in self.learners.values():
                 # what was accepted but not applied is re-counted from the journal below
                 rec.last_seq_accepted = rec.last_seq_applied
@@ -555,26 +568,17 @@ class OuterState:
                 rec.tokens_accepted = dict(rec.tokens_merged)
             log.info("restored checkpoint %s (version %d)", path.name, self.version)
             self.metrics.event("restore", version=self.version, path=str(path))
-        journal: dict[tuple[int, int], tuple[pathlib.Path, outer_pb2.DeltaHeader, bytes]] = {}
-        for path in sorted((self.state_dir / "journal").glob("*.delta")):
-            try:
-                header, payload = self._read_journal(path)
-            except Exception as exc:  # torn writes never get renamed into place; be safe anyway
-                log.warning("unreadable journal entry %s: %s", path, exc)
-                continue
-            journal[(header.learner_id, header.seq)] = (path, header, payload)
+        journal = self.journal.load(covered)  # raises JournalCorrupt naming the file
         self._replay_merges(journal)
+        if loaded is not None and loaded.latest_version is not None and self.version < loaded.latest_version:
+            raise CheckpointError(
+                f"LATEST names version {loaded.latest_version}, but that checkpoint is not usable ({'; '.join(loaded.skipped)}) "
+                f"and the merge records only bring {loaded.path.name} to version {self.version}: refusing to go back in versions"
+            )
         # re-queue every journaled delta no merge took: it was acknowledged
         replayed = 0
         for path, header, payload in journal.values():
             rec = self.learners.setdefault(header.learner_id, LearnerRecord())
-            if ckpt_pending is not None:
-                covered = header.seq <= ckpt_accepted.get(header.learner_id, 0) and (header.learner_id, header.seq) not in ckpt_pending
-            else:  # a checkpoint from before pending deltas were recorded
-                covered = header.seq <= rec.last_seq_applied
-            if covered:
-                path.unlink(missing_ok=True)
-                continue
             frag = self.fragments[header.fragment]
             tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
             # an acknowledged delta is merged even if its base version fell out of tracking

@@ -1,0 +1,292 @@
+"""Checkpoints of the outer optimizer, replaced atomically and restored from the newest
+complete one.
+
+Layout under ``<state dir>/checkpoints/``::
+
+    vVVVVVVVV-gGGGGGG/global.safetensors   parameters and momentum
+    vVVVVVVVV-gGGGGGG/state.json           versions, learners, pending deltas, and the
+                                           SHA-256 of global.safetensors
+    LATEST                                 the name of the newest checkpoint
+
+``V`` is the global version, ``G`` a generation that only grows: every write goes to a new
+name, so re-checkpointing a version never touches the folder ``LATEST`` names.
+
+Write sequence, each step durable before the next:
+
+1. both files into a hidden ``.vV-gG.tmp`` folder, each fsynced, then the folder fsynced;
+2. the folder renamed to its final, new name, and ``checkpoints/`` fsynced;
+3. ``LATEST`` replaced atomically (``durable.write_bytes``);
+4. only then, deletion of what is no longer needed (``_prune``).
+
+A crash before 3 leaves ``LATEST`` naming the previous checkpoint, whose journal and merge
+records are all still there; after 3 the new one is complete. Either way restore finds a
+complete checkpoint and the records to bring it to the same version, bit for bit.
+
+What is kept
+------------
+The new checkpoint *and the previous complete one*, with the merge records and journal
+entries the previous one needs. Should the newest ever be unreadable (a disk that lost
+data), restore falls back to the previous one and replays the records to the same state;
+only records the previous checkpoint already covers are deleted. Restore never silently
+goes back in versions: the caller compares with the version ``LATEST`` names.
+
+Complete means: both files present, ``state.json`` parses, its version matches the folder
+name, the tensors file has the SHA-256 ``state.json`` records and parses.
+
+Re-checkpointing unchanged state (same version, same learners and pending deltas, which is
+all that distinguishes two checkpoints) is a no-op: nothing is written or deleted.
+
+A failed write raises ``durable.StorageError`` (path and errno) and leaves no temporary
+behind; a crash may leave one, which ``clean_temporaries`` removes at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ddiloco.common.durable import TMP_MARK, StorageError, fsync_dir, remove_temporaries, write_bytes, write_json
+from ddiloco.outer.journal import parse_name
+
+log = logging.getLogger(__name__)
+
+TENSORS = "global.safetensors"
+STATE = "state.json"
+LATEST = "LATEST"
+_FOLDER = re.compile(r"^v(\d+)(?:-g(\d+))?$")  # "v00000008" is the layout before generations
+_UNKEYED = ("written_at", "tensors_sha256")  # fields that differ between two writes of the same state
+
+
+class CheckpointError(Exception):
+    """No checkpoint can be restored although some exist (corruption, not a crash)."""
+
+
+class Incomplete(Exception):
+    """One checkpoint folder is missing a file, or a file does not check out."""
+
+
+@dataclass
+class Loaded:
+    path: pathlib.Path
+    tensors: dict[str, torch.Tensor]
+    state: dict
+    skipped: list[str] = field(default_factory=list)  # newer folders that were not complete, and why
+    latest_version: int | None = None  # the version LATEST names, complete or not
+
+
+def folder_key(path: pathlib.Path) -> tuple[int, int] | None:
+    """(version, generation) of a checkpoint folder name; None for other names."""
+    m = _FOLDER.match(path.name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def state_key(state: dict) -> str:
+    """What makes two checkpoints different: everything but the write time and the hash."""
+    kept = {k: v for k, v in state.items() if k not in _UNKEYED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+@contextmanager
+def _storage(path: pathlib.Path):
+    """Any OSError from the block becomes a StorageError naming ``path``."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(path, exc) from exc
+
+
+def _write_file(path: pathlib.Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointStore:
+    def __init__(self, state_dir: pathlib.Path, hook: Callable[[str], None] | None = None) -> None:
+        self.state_dir = pathlib.Path(state_dir)
+        self.root = self.state_dir / "checkpoints"
+        self.root.mkdir(parents=True, exist_ok=True)
+        # called after each step of a write with the step's name; tests raise from it to
+        # leave the folder exactly as a crash at that point would
+        self.hook = hook or (lambda step: None)
+        self.latest: pathlib.Path | None = None
+        self._latest_key: str | None = None
+        self._verified: dict[pathlib.Path, dict] = {}  # complete folders seen by this process -> state
+        self.last_error: str | None = None  # the last failed write, until one succeeds
+        self.failures = 0
+
+    # ------------------------------------------------------------------ start
+    def clean_temporaries(self) -> list[pathlib.Path]:
+        """Torn `.tmp` folders and files a crash left (checkpoints, journal, merge records)."""
+        removed = []
+        for folder in (self.root, self.state_dir / "journal", self.state_dir / "merges", self.state_dir):
+            removed += remove_temporaries(folder)
+        return removed
+
+    def _folders(self) -> list[pathlib.Path]:
+        """Checkpoint folders, oldest first."""
+        found = [p for p in self.root.iterdir() if p.is_dir() and folder_key(p) is not None]
+        return sorted(found, key=folder_key)
+
+    def _read(self, path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
+        if not path.is_dir():
+            raise Incomplete(f"{path.name}: folder missing")
+        try:
+            state = json.loads((path / STATE).read_text())
+            blob = (path / TENSORS).read_bytes()
+        except FileNotFoundError as exc:
+            raise Incomplete(f"{path.name}: {pathlib.Path(exc.filename).name} missing") from exc
+        except (OSError, ValueError) as exc:
+            raise Incomplete(f"{path.name}: {exc}") from exc
+        if not isinstance(state, dict) or "version" not in state:
+            raise Incomplete(f"{path.name}: {STATE} has no version")
+        key = folder_key(path)
+        if key is not None and key[0] != state["version"]:
+            raise Incomplete(f"{path.name}: {STATE} says version {state['version']}")
+        want = state.get("tensors_sha256")
+        if want is not None and hashlib.sha256(blob).hexdigest() != want:
+            raise Incomplete(f"{path.name}: {TENSORS} does not match the SHA-256 in {STATE}")
+        try:
+            tensors = load_tensors(blob)
+        except Exception as exc:  # safetensors raises its own error type for a bad file
+            raise Incomplete(f"{path.name}: {TENSORS} does not parse: {exc}") from exc
+        return tensors, state
+
+    def _complete_state(self, path: pathlib.Path) -> dict | None:
+        if path not in self._verified:
+            try:
+                self._verified[path] = self._read(path)[1]
+            except Incomplete:
+                return None
+        return self._verified[path]
+
+    def load(self) -> Loaded | None:
+        """The checkpoint LATEST names if it is complete, else the newest complete one; None
+        when there is none at all (a fresh run). Raises ``CheckpointError`` when folders exist
+        but none is complete."""
+        latest_file = self.root / LATEST
+        latest_name = latest_file.read_text().strip() if latest_file.exists() else None
+        folders = self._folders()
+        candidates = ([self.root / latest_name] if latest_name else []) + [
+            p for p in reversed(folders) if p.name != latest_name
+        ]
+        skipped = []
+        for path in candidates:
+            try:
+                tensors, state = self._read(path)
+            except Incomplete as exc:
+                skipped.append(str(exc))
+                continue
+            self._verified[path] = state
+            self.latest, self._latest_key = path, state_key(state)
+            key = folder_key(self.root / latest_name) if latest_name else None
+            return Loaded(path, tensors, state, skipped, key[0] if key else None)
+        if candidates:
+            raise CheckpointError(f"no complete checkpoint in {self.root}: " + "; ".join(skipped))
+        return None
+
+    # ------------------------------------------------------------------ writing
+    def is_current(self, state: dict) -> bool:
+        """Whether the newest checkpoint already holds exactly this state."""
+        return self._latest_key is not None and self._latest_key == state_key(state) and self.latest is not None
+
+    def write(self, tensors: dict[str, torch.Tensor], state: dict) -> tuple[pathlib.Path, bool]:
+        """Write a checkpoint of ``state`` (with its ``version``); returns (folder, written).
+        ``written`` is False when the newest checkpoint already holds this state."""
+        if self.is_current(state):
+            return self.latest, False
+        version = state["version"]
+        folders = self._folders()
+        generation = max((folder_key(p)[1] for p in folders), default=0) + 1
+        name = f"v{version:08d}-g{generation:06d}"
+        tmp = self.root / f".{name}{TMP_MARK}"
+        final = self.root / name
+        blob = save_tensors(tensors, metadata={"version": str(version)})
+        state = dict(state, tensors_sha256=hashlib.sha256(blob).hexdigest(), written_at=time.time())
+        try:
+            with _storage(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                self.hook("folder")
+                _write_file(tmp / TENSORS, blob)
+                self.hook("tensors")
+                write_json(tmp / STATE, state)
+                fsync_dir(tmp)
+                self.hook("state")
+            with _storage(final):
+                tmp.rename(final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
+            raise
+        with _storage(self.root):
+            fsync_dir(self.root)
+        self.hook("renamed")
+        write_bytes(self.root / LATEST, name.encode())
+        self._verified[final] = state
+        self.latest, self._latest_key = final, state_key(state)
+        self.hook("latest")
+        self._prune(final)
+        return final, True
+
+    def record_failure(self, exc: Exception) -> None:
+        self.failures += 1
+        self.last_error = str(exc)
+
+    def recovered(self) -> bool:
+        """Clears the failure after a successful write; True if there was one."""
+        had, self.last_error = self.last_error is not None, None
+        return had
+
+    # ------------------------------------------------------------------ pruning
+    def _prune(self, newest: pathlib.Path) -> None:
+        """Delete checkpoints older than the previous complete one, and the merge records and
+        journal entries that previous one covers. Deletion only: a crash in the middle
+        leaves extra files, never missing ones."""
+        older = [p for p in self._folders() if p != newest and folder_key(p) < folder_key(newest)]
+        fallback, fallback_state = None, None
+        for path in reversed(older):
+            fallback_state = self._complete_state(path)
+            if fallback_state is not None:
+                fallback = path
+                break
+        for path in older:
+            if path != fallback:
+                shutil.rmtree(path, ignore_errors=True)
+                self._verified.pop(path, None)
+                self.hook("removed")
+        if fallback_state is not None:
+            prune_covered(self.state_dir, fallback_state)
+            self.hook("pruned")
+
+
+def prune_covered(state_dir: pathlib.Path, state: dict) -> None:
+    """Delete the merge records and journal entries checkpoint ``state`` already holds."""
+    for path in (state_dir / "merges").glob("*.json"):
+        if path.stem.isdigit() and int(path.stem) <= state["version"]:
+            path.unlink(missing_ok=True)
+    if "pending" not in state:  # a checkpoint from before pending deltas were recorded
+        return
+    accepted = {int(k): r["last_seq_accepted"] for k, r in state["learners"].items()}
+    pending = {tuple(x) for x in state["pending"]}
+    for path in (state_dir / "journal").glob("*.delta"):
+        key = parse_name(path)
+        # covered once accepted and no longer pending (merged): by sequence alone is not
+        # enough when fragments merge out of order
+        if key is not None and key[1] <= accepted.get(key[0], 0) and key not in pending:
+            path.unlink(missing_ok=True)

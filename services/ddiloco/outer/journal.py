@@ -1,0 +1,125 @@
+"""The delta journal: one file per acknowledged delta, written before the delta is
+acknowledged, so an acknowledged delta survives a crash of the outer optimizer.
+
+Layout: ``journal/LLLLL-SSSSSSSSSS.delta`` (learner id, sequence) holding a 4-byte header
+length, the serialized ``DeltaHeader`` and the payload exactly as received.
+
+Why an unreadable entry stops the restart
+-----------------------------------------
+Entries are written atomically (temporary file, fsync, rename), so a crash never leaves a
+torn entry under its final name: the torn write is a hidden temporary, cleared at start. An
+entry that is there but unreadable (bad length, header that does not parse, payload whose
+size or SHA-256 contradicts its header, name that contradicts its header) is therefore
+corruption of an *acknowledged* delta. Skipping it would drop work a learner was told is
+safe, so ``load`` raises ``JournalCorrupt`` naming the file, and the outer optimizer refuses
+to start (exit non-zero). The one exception: an entry the restored checkpoint already covers
+(its delta was merged into the checkpointed parameters) is not needed and not read.
+To start anyway, an operator moves the named file out of ``journal/``: the delta is then
+lost knowingly, and its learner's next sequence is still accepted.
+
+A failed write (disk full, I/O error) raises ``durable.StorageError`` and leaves nothing
+behind: the caller refuses the delta with a retryable status and changes no state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import re
+import struct
+from typing import Callable
+
+from ddiloco.common.durable import write_bytes
+from ddiloco.v1 import outer_pb2
+
+_NAME = re.compile(r"^(\d+)-(\d+)\.delta$")
+
+
+class JournalCorrupt(Exception):
+    """An acknowledged delta's journal entry cannot be read back."""
+
+    def __init__(self, path: pathlib.Path, reason: str) -> None:
+        super().__init__(
+            f"journal entry {path} is unreadable ({reason}); it holds an acknowledged delta the checkpoint does not "
+            f"cover, so the outer optimizer will not start without it. Restore the file, or move it out of "
+            f"{path.parent} to drop that delta knowingly"
+        )
+        self.path = path
+        self.reason = reason
+
+
+def entry_name(learner_id: int, seq: int) -> str:
+    return f"{learner_id:05d}-{seq:010d}.delta"
+
+
+def parse_name(path: pathlib.Path) -> tuple[int, int] | None:
+    """(learner id, sequence) from an entry's file name; None for a name that is not one."""
+    m = _NAME.match(pathlib.Path(path).name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def encode_entry(header: outer_pb2.DeltaHeader, payload: bytes) -> bytes:
+    head = header.SerializeToString()
+    return struct.pack("<I", len(head)) + head + payload
+
+
+def read_entry(path: pathlib.Path) -> tuple[outer_pb2.DeltaHeader, bytes]:
+    """Parse and verify one entry; raises ``JournalCorrupt`` with the reason."""
+    path = pathlib.Path(path)
+    try:
+        blob = path.read_bytes()
+    except OSError as exc:
+        raise JournalCorrupt(path, f"cannot read: {exc}") from exc
+    if len(blob) < 4:
+        raise JournalCorrupt(path, f"{len(blob)} bytes, shorter than the length prefix")
+    (n,) = struct.unpack("<I", blob[:4])
+    if 4 + n > len(blob):
+        raise JournalCorrupt(path, f"header length {n} runs past the end of the {len(blob)}-byte file")
+    try:
+        header = outer_pb2.DeltaHeader.FromString(blob[4 : 4 + n])
+    except Exception as exc:  # protobuf raises DecodeError, but any failure means the same here
+        raise JournalCorrupt(path, f"header does not parse: {exc}") from exc
+    payload = blob[4 + n :]
+    info = header.payload
+    if len(payload) != info.payload_bytes:
+        raise JournalCorrupt(path, f"payload has {len(payload)} bytes, its header declares {info.payload_bytes}")
+    if info.sha256 and hashlib.sha256(payload).hexdigest() != info.sha256:
+        raise JournalCorrupt(path, "payload SHA-256 does not match its header")
+    if parse_name(path) != (header.learner_id, header.seq):
+        raise JournalCorrupt(path, f"header says learner {header.learner_id} sequence {header.seq}")
+    return header, payload
+
+
+class DeltaJournal:
+    def __init__(self, folder: pathlib.Path, writer: Callable[[pathlib.Path, bytes], None] = write_bytes) -> None:
+        self.folder = pathlib.Path(folder)
+        self.writer = writer  # injectable: tests make it raise OSError(ENOSPC)
+
+    def path_for(self, learner_id: int, seq: int) -> pathlib.Path:
+        return self.folder / entry_name(learner_id, seq)
+
+    def write(self, header: outer_pb2.DeltaHeader, payload: bytes) -> pathlib.Path:
+        """Durable before it returns; raises ``StorageError`` (nothing written) on failure."""
+        path = self.path_for(header.learner_id, header.seq)
+        self.writer(path, encode_entry(header, payload))
+        return path
+
+    def load(
+        self, covered: Callable[[int, int], bool]
+    ) -> dict[tuple[int, int], tuple[pathlib.Path, outer_pb2.DeltaHeader, bytes]]:
+        """Every entry the checkpoint does not cover, verified, keyed by (learner, seq).
+
+        ``covered(learner, seq)`` says whether the restored checkpoint already holds that
+        delta; covered entries are skipped unread and left for the checkpoint's pruning (the
+        older checkpoint kept as a fallback may still need them).
+        """
+        out = {}
+        for path in sorted(self.folder.glob("*.delta")):
+            key = parse_name(path)
+            if key is not None and covered(*key):
+                continue  # merged into the checkpoint: not even read, so damage to it does not matter
+            if key is None:
+                raise JournalCorrupt(path, "the file name is not LEARNER-SEQUENCE.delta")
+            header, payload = read_entry(path)
+            out[key] = (path, header, payload)
+        return out
