@@ -11,22 +11,7 @@ from ddiloco.common.rpc import channel
 from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
-@pytest.fixture
-def coordinator(tmp_path):
-    from support import TINY_RUN, wait_serving
-
-    from ddiloco.launcher.processes import Cluster
-
-    cluster = Cluster(tmp_path)
-    cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600", "--lease-timeout", "1.5"])
-    wait_serving(cluster.coordinator_address)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
-    yield cluster, stub
-    cluster.stop_all()
-
-
-def register(stub, requested=-1, run_id=""):
-    return stub.Register(coordinator_pb2.RegisterRequest(address="x:1", requested_learner_id=requested, run_id=run_id), timeout=5)
+from coord_helpers import coordinator, register  # noqa: F401 - fixture
 
 
 def test_learners_wait_until_the_outer_optimizer_is_known(coordinator):
@@ -56,10 +41,10 @@ def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(c
 
     _, stub = coordinator
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
-    a, b = register(stub), register(stub)
+    a, b = register(stub, token="process-a"), register(stub)
 
     def b_dead_while_a_beats():
-        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=a.learner_id, stats=common_pb2.LearnerStats(tokens=10)), timeout=5)
+        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=a.learner_id, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1)), timeout=5)
         m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
         alive = {x.learner_id: x.alive for x in m.members}
         return alive[a.learner_id] and not alive[b.learner_id]
@@ -67,10 +52,11 @@ def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(c
     wait_until(b_dead_while_a_beats, 20, "learner b's lease to expire", interval=0.3)
     newcomer = register(stub)
     assert newcomer.learner_id == b.learner_id and newcomer.shard_index == b.shard_index
-    again = register(stub, requested=a.learner_id)  # an explicit rejoin keeps its id
+    again = register(stub, requested=a.learner_id, token="process-a")  # the same process rejoining keeps its id
     assert again.learner_id == a.learner_id
     m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
-    assert {x.learner_id: x.incarnation for x in m.members}[a.learner_id] == 2
+    assert {x.learner_id: x.incarnation for x in m.members}[a.learner_id] == 1  # and its incarnation
+    assert {x.learner_id: x.incarnation for x in m.members}[b.learner_id] == 2  # a new process is a new one
 
 
 def test_unknown_learner_heartbeat_and_wrong_run_are_refused(coordinator):

@@ -4,7 +4,24 @@ each learner reads, and when the run moves WAITING -> RUNNING -> DRAINING -> FIN
 Ids and shards: a new learner takes the lowest id in [0, M) that is not held by a live
 learner, so a replacement for a dead learner inherits its shard (and its merged-work
 position, see the learner). A learner may ask for its old id to rejoin. Beyond M live
-learners, ids continue past M and shards wrap around (shard = id mod M).
+learners, ids continue past M and shards wrap around (shard = id mod M), up to
+``max_learner_ids`` = 2M: the planned learners plus one extra per shard. An id outside
+[0, 2M) is refused, so the membership (and everything kept per member) is bounded by the
+run, not by what callers send.
+
+Incarnations: every learner process draws a random ``instance_token`` and sends it with
+each Register. For a requested id:
+
+* held by a live lease of the *same* token: the same process again (its own retry, or a
+  coordinator that lost its state): accepted, same incarnation, its statistics continue;
+* held by a live lease of *another* token: a second process claiming the id (an impostor,
+  a duplicate launch, or a restarted learner whose predecessor's lease has not expired):
+  refused with ``AlreadyExists``; the restarted learner retries until the old lease expires;
+* free (never held, lease expired, or left): accepted; a new token starts a new incarnation
+  (incarnation + 1, earlier statistics carried), the same token continues its own.
+
+So the incarnation counts the processes that held the id, and rises at most once per lease
+timeout however many calls are made.
 
 State is persisted atomically to ``state.json`` on every membership change, so a restarted
 coordinator rebuilds the same view; learners that do not know it re-register with their id.
@@ -22,6 +39,16 @@ from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
+from ddiloco.coordinator.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from ddiloco.coordinator.signature import check_signature, model_signature
+from ddiloco.coordinator.stats_rules import ADDITIVE, Bounds, check_report, saturating_sum, stats_to_dict
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
 STATE_NAMES = {
@@ -30,15 +57,12 @@ STATE_NAMES = {
     coordinator_pb2.RUN_STATE_DRAINING: "draining",
     coordinator_pb2.RUN_STATE_FINISHED: "finished",
 }
-STATS_FIELDS = [f.name for f in common_pb2.LearnerStats.DESCRIPTOR.fields]
-ADDITIVE = [f for f in STATS_FIELDS if f not in ("global_version", "last_loss")]
+MAX_TOKEN_CHARS = 128
 
 
-class MembershipError(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # "precondition" | "unavailable" | "not_found"
-        self.message = message
+def max_learner_ids(config: RunConfig) -> int:
+    """Learner ids are in [0, 2M): the M planned learners and one extra per shard."""
+    return 2 * config.learners
 
 
 @dataclass
@@ -48,20 +72,18 @@ class MemberRecord:
     address: str = ""
     datacenter: str = ""
     incarnation: int = 0
+    instance_token: str = ""  # the process holding the current incarnation
     left: bool = False
     last_heartbeat: float = 0.0  # monotonic
+    last_report: float | None = None  # monotonic time of the last accepted stats; None: none yet
     stats: dict = field(default_factory=dict)  # current incarnation
     carried: dict = field(default_factory=dict)  # earlier incarnations, summed
 
     def total_stats(self) -> dict:
-        out = {k: self.carried.get(k, 0) + self.stats.get(k, 0) for k in ADDITIVE}
+        out = {k: saturating_sum([self.carried.get(k, 0), self.stats.get(k, 0)]) for k in ADDITIVE}
         out["global_version"] = self.stats.get("global_version", 0)
         out["last_loss"] = self.stats.get("last_loss", 0.0)
         return out
-
-
-def stats_to_dict(stats: common_pb2.LearnerStats) -> dict:
-    return {k: getattr(stats, k) for k in STATS_FIELDS}
 
 
 class Membership:
@@ -78,6 +100,10 @@ class Membership:
         self.running_since: float | None = None
         self.drain_started: float | None = None
         self.dead_announced: set[int] = set()
+        self.bounds = Bounds.for_run(config)
+        self.max_ids = max_learner_ids(config)
+        self._signature = None
+        self._signature_lock = threading.Lock()
         if state_path is not None and state_path.exists():
             self._load()
 
@@ -96,31 +122,73 @@ class Membership:
 
     def tokens(self) -> int:
         with self.lock:
-            return sum(r.total_stats()["tokens"] for r in self.members.values())
+            return saturating_sum(r.total_stats()["tokens"] for r in self.members.values())
+
+    def expected_signature(self) -> coordinator_pb2.ModelSignature:
+        """The signature of the run's model; built once (importing torch takes seconds, so
+        the service warms this at start and Register never holds the membership lock on it)."""
+        with self._signature_lock:
+            if self._signature is None:
+                self._signature = model_signature(self.config)
+            return self._signature
+
+    def _check_run(self, run_id: str, allow_empty: bool = False) -> None:
+        if run_id != self.config.run_id and not (allow_empty and not run_id):
+            raise FailedPrecondition(f"this coordinator runs {self.config.run_id!r}, not {run_id!r}")
+
+    def _registered(self, learner_id: int) -> MemberRecord:
+        rec = self.members.get(learner_id)
+        if rec is None:
+            raise NotFound(f"learner {learner_id} is not registered; register again")
+        return rec
+
+    def _accept_stats(self, rec: MemberRecord, stats: common_pb2.LearnerStats) -> None:
+        """Validate a report against the incarnation's last one, then keep it (all or nothing)."""
+        now = self.clock()
+        new = stats_to_dict(stats)
+        since = None if rec.last_report is None else now - rec.last_report
+        check_report(self.bounds, rec.stats, new, since)
+        rec.stats = new
+        rec.last_report = now
 
     # ------------------------------------------------------------------ changes
     def register(self, req: coordinator_pb2.RegisterRequest) -> MemberRecord:
+        """Admit a learner process under an id, following the incarnation rule above."""
+        self._check_run(req.run_id, allow_empty=True)
+        token = req.instance_token
+        if not token or len(token) > MAX_TOKEN_CHARS:
+            raise InvalidArgument(f"instance_token must be 1 to {MAX_TOKEN_CHARS} characters (a random token per process)")
+        requested = req.requested_learner_id
+        if not -1 <= requested < self.max_ids:
+            raise InvalidArgument(
+                f"requested_learner_id {requested} is outside [0, {self.max_ids}) (2 x {self.config.learners} "
+                "planned learners), or -1 for any free id"
+            )
+        check_signature(req.model, self.expected_signature())  # outside the lock: the first call builds it
         with self.lock:
-            if req.run_id and req.run_id != self.config.run_id:
-                raise MembershipError("precondition", f"this coordinator runs {self.config.run_id!r}, not {req.run_id!r}")
             if self.state in (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED):
-                raise MembershipError("precondition", f"run is {STATE_NAMES[self.state]}; not accepting learners")
+                raise FailedPrecondition(f"run is {STATE_NAMES[self.state]}; not accepting learners")
             if not self.outer_address:
-                raise MembershipError("unavailable", "the outer optimizer has not registered yet")
-            if req.requested_learner_id >= 0:
-                learner_id = req.requested_learner_id
-            else:
-                taken = {i for i, r in self.members.items() if self.is_alive(r)}
-                learner_id = next(i for i in range(len(self.members) + self.config.learners + 1) if i not in taken)
+                raise Unavailable("the outer optimizer has not registered yet")
+            learner_id = requested if requested >= 0 else self._free_id(token)
             rec = self.members.get(learner_id)
+            if rec is not None and self.is_alive(rec) and rec.instance_token != token:
+                silent = self.clock() - rec.last_heartbeat
+                raise AlreadyExists(
+                    f"learner {learner_id} is held by another live process (incarnation {rec.incarnation}, "
+                    f"heard from {silent:.1f} s ago; its lease expires in {self.config.lease_timeout_s - silent:.1f} s "
+                    "unless renewed); a restarted learner retries after that"
+                )
             if rec is None:
                 rec = MemberRecord(learner_id=learner_id, shard_index=learner_id % self.config.learners)
                 self.members[learner_id] = rec
-            else:
+            if rec.instance_token != token:  # a new process: a new incarnation
                 for k in ADDITIVE:
-                    rec.carried[k] = rec.carried.get(k, 0) + rec.stats.get(k, 0)
+                    rec.carried[k] = saturating_sum([rec.carried.get(k, 0), rec.stats.get(k, 0)])
                 rec.stats = {}
-            rec.incarnation += 1
+                rec.last_report = None
+                rec.incarnation += 1
+                rec.instance_token = token
             rec.address = req.address
             rec.datacenter = req.datacenter
             rec.left = False
@@ -132,25 +200,34 @@ class Membership:
             self.save()
             return rec
 
-    def heartbeat(self, learner_id: int, stats: common_pb2.LearnerStats) -> MemberRecord:
+    def _free_id(self, token: str) -> int:
+        """The id this process already holds (a retried Register), else the lowest free one."""
+        for i, r in self.members.items():
+            if r.instance_token == token and not r.left:
+                return i
+        taken = {i for i, r in self.members.items() if self.is_alive(r)}
+        free = next((i for i in range(self.max_ids) if i not in taken), None)
+        if free is None:
+            raise ResourceExhausted(f"all {self.max_ids} learner ids of this run are held by live learners")
+        return free
+
+    def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats) -> MemberRecord:
+        self._check_run(run_id)
         with self.lock:
-            rec = self.members.get(learner_id)
-            if rec is None:
-                raise MembershipError("not_found", f"learner {learner_id} is not registered; register again")
+            rec = self._registered(learner_id)
             if rec.left:
-                raise MembershipError("not_found", f"learner {learner_id} left the run; register again")
+                raise NotFound(f"learner {learner_id} left the run; register again")
+            self._accept_stats(rec, stats)
             rec.last_heartbeat = self.clock()
-            rec.stats = stats_to_dict(stats)
             # alive again (a straggler whose lease had expired): its next death is news again
             self.dead_announced.discard(learner_id)
             return rec
 
-    def leave(self, learner_id: int, stats: common_pb2.LearnerStats) -> None:
+    def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats) -> None:
+        self._check_run(run_id)
         with self.lock:
-            rec = self.members.get(learner_id)
-            if rec is None:
-                raise MembershipError("not_found", f"learner {learner_id} is not registered")
-            rec.stats = stats_to_dict(stats)
+            rec = self._registered(learner_id)
+            self._accept_stats(rec, stats)
             rec.left = True
             self.save()
 
@@ -235,6 +312,7 @@ class Membership:
                         "address": r.address,
                         "datacenter": r.datacenter,
                         "incarnation": r.incarnation,
+                        "instance_token": r.instance_token,
                         "left": r.left,
                         "stats": r.stats,
                         "carried": r.carried,

@@ -15,15 +15,21 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel
-from ddiloco.coordinator.membership import STATE_NAMES, Membership, MembershipError
+from ddiloco.coordinator import errors
+from ddiloco.coordinator.membership import STATE_NAMES, Membership
+from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_CODES = {
-    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "not_found": grpc.StatusCode.NOT_FOUND,
+# the one place where the domain's refusals become gRPC status codes
+STATUS_OF = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -42,8 +48,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def _guard(self, context, fn):
         try:
             return fn()
-        except MembershipError as exc:
-            context.abort(_CODES[exc.kind], exc.message)
+        except errors.Refused as exc:
+            context.abort(STATUS_OF[type(exc)], exc.message)
 
     def Register(self, request, context):
         svc = self.svc
@@ -65,9 +71,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         svc = self.svc
-        if request.run_id != svc.config.run_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not {svc.config.run_id!r}")
-        self._guard(context, lambda: svc.members.heartbeat(request.learner_id, request.stats))
+        self._guard(context, lambda: svc.members.heartbeat(request.run_id, request.learner_id, request.stats))
         return coordinator_pb2.HeartbeatResponse(
             state=svc.members.state,
             outer_address=svc.members.outer_address,
@@ -76,8 +80,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Leave(self, request, context):
         svc = self.svc
-        self._guard(context, lambda: svc.members.leave(request.learner_id, request.stats))
-        svc.metrics.event("learner_left", learner=request.learner_id, reason=request.reason)
+        self._guard(context, lambda: svc.members.leave(request.run_id, request.learner_id, request.stats))
+        svc.metrics.event("learner_left", learner=request.learner_id, reason=request.reason[:200])
         return coordinator_pb2.LeaveResponse()
 
     def GetRunConfig(self, request, context):
@@ -119,6 +123,8 @@ class CoordinatorService:
         return self.server.port
 
     def start(self) -> None:
+        # the model signature needs torch (seconds to import): build it before the first Register asks
+        threading.Thread(target=self.members.expected_signature, name="signature", daemon=True).start()
         self.server.start()
         self.server.set_ready()
         self.metrics.event("coordinator_ready", port=self.server.port, run_id=self.config.run_id)
@@ -202,12 +208,13 @@ def build_report(
         "initial_eval_loss": st.initial_eval_loss,
         "final_eval_loss": final.final_eval_loss,
         "final_eval_accuracy": final.final_eval_accuracy,
-        "tokens_trained": sum(x["tokens"] for x in learners),
+        # learner-reported, validated (stats_rules); tokens_merged is the outer optimizer's own count
+        "tokens_trained": saturating_sum(x["tokens"] for x in learners),
         "tokens_merged": st.tokens_merged,
         "outer_steps": st.outer_steps,
         "global_version": st.version,
-        "bytes_uploaded": sum(x["bytes_uploaded"] for x in learners),
-        "bytes_downloaded": sum(x["bytes_downloaded"] for x in learners),
+        "bytes_uploaded": saturating_sum(x["bytes_uploaded"] for x in learners),
+        "bytes_downloaded": saturating_sum(x["bytes_downloaded"] for x in learners),
         "wall_seconds": round(members.elapsed(), 3),
         "model_parameters": st.model_parameters,
         "learners": learners,

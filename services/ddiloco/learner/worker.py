@@ -49,6 +49,7 @@ from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
+from ddiloco.learner.supervision import Supervisor
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 
@@ -103,26 +104,33 @@ class Learner:
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
+        """Train until the run drains. Non-zero if a background thread failed: the orchestrator
+        restarts the process, which resumes from its acknowledged work."""
+        # a background thread that fails stops training (drain); _finish flushes what it can
+        self.supervisor = Supervisor(on_failure=self.drain.set)
         self.server.start()
         try:
             self._register()
             # heartbeat from here on: setting up (corpus, model, first pull) can outlast a
             # lease on a loaded machine, and a learner starting up is not a dead one
-            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+            self.heartbeat_thread = self.supervisor.spawn("heartbeat", self._heartbeat_loop, self.stop_event)
             self._setup()
         except InterruptedError:
             self.stop_event.set()
             self.server.stop()
-            return 0
+            if self.supervisor.failed.is_set():
+                log.error("learner failed while starting: %s", self.supervisor.failure)
+            return self.supervisor.exit_code()
         self.server.set_ready()
         self.phase = "training"
-        self.uploader.start()
-        self.puller.start()
+        # a draining learner's last windows are queued whatever the coalescing bound
+        self.uploader.start(self.supervisor, release=self.drain)
+        self.puller.start(self.supervisor)
         try:
             self._train()
         finally:
             self._finish()
-        return 0
+        return self.supervisor.exit_code()
 
     def request_stop(self) -> None:
         """SIGTERM: flush what was trained, leave cleanly."""
@@ -137,18 +145,57 @@ class Learner:
             requested_learner_id=self.options.learner_id if self.learner_id < 0 else self.learner_id,
             device=str(self.device),
         )
-        resp = call_with_retry(
-            lambda: self.coordinator.Register(req, timeout=5),
-            what="register with coordinator",
-            max_elapsed=600,
-            stop=self.drain,
-        )
+        resp = self._register_call(req)
         self.run_id = resp.run_id
         self.learner_id = resp.learner_id
         self.shard_index = resp.shard_index
         self.config = RunConfig.from_json(resp.config_json)
         self.heartbeat_s = resp.heartbeat_ms / 1000
         self._set_outer(resp.outer_address)
+
+    def _register_call(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
+        """Register, signed with this process's instance token and the signature of the model
+        it builds from the run's configuration (see ddiloco.coordinator.membership for the
+        incarnation rule). ALREADY_EXISTS means the id's previous holder still has a live
+        lease (this learner was restarted under the same id): wait for it to expire, for at
+        most two leases. A first registration that is refused (another model, another run,
+        a run that is over) ends the process with the coordinator's message, no traceback."""
+        import secrets
+
+        from ddiloco.coordinator.signature import model_signature
+
+        if not getattr(self, "instance_token", ""):
+            self.instance_token = secrets.token_hex(16)
+        first = not self.run_id
+        run = call_with_retry(
+            lambda: self.coordinator.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5),
+            what="fetch the run configuration", max_elapsed=600, stop=self.drain,
+        )
+        run_config = RunConfig.from_json(run.config_json)
+        req.instance_token = self.instance_token
+        req.model.CopyFrom(model_signature(run_config))
+        lease_wait_until = None
+        while True:
+            try:
+                return call_with_retry(
+                    lambda: self.coordinator.Register(req, timeout=5), what="register with coordinator", max_elapsed=600, stop=self.drain
+                )
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.ALREADY_EXISTS:
+                    if lease_wait_until is None:
+                        lease_wait_until = time.monotonic() + 2 * run_config.lease_timeout_s + 1
+                        log.info("waiting for the previous lease of this id to expire: %s", exc.details())
+                    if time.monotonic() < lease_wait_until:
+                        if self.drain.wait(min(1.0, run_config.lease_timeout_s / 5)):
+                            raise InterruptedError("stopped while waiting for a lease to expire") from None
+                        continue
+                refused = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS)
+                if first and code in refused:
+                    log.error("the coordinator refused this learner (%s): %s", code.name, exc.details())
+                    self.server.stop(grace=0)
+                    raise SystemExit(f"learner refused by the coordinator ({code.name}): {exc.details()}") from None
+                raise
 
     def _set_outer(self, address: str) -> None:
         with self._client_lock:
@@ -340,21 +387,28 @@ class Learner:
 
     def _finish(self) -> None:
         self.phase = "draining"
+        # after a failure too: a failed puller leaves the uploader able to flush (returns at
+        # once if the uploader itself is gone; its unacknowledged work is trained again)
         flushed = self.uploader.flush(timeout=self.config.drain_timeout_s / 2)
         self.uploader.stop()
         self.puller.stop()
         self.stop_event.set()
         for thread in (self.uploader.thread, self.puller.thread):
-            if thread.is_alive():
+            if thread is not None and thread.is_alive():
                 thread.join(timeout=5)
+        failure = self.supervisor.failure
+        if failure:
+            log.error("learner exits non-zero after a failure (%s); a restart resumes from its acknowledged work", failure)
+            self.metrics.event("learner_failed", learner=self.learner_id, cause=failure, flushed=flushed)
         self.metrics.event(
             "learner_stop", learner=self.learner_id, flushed=flushed, tokens=self.stats.get("tokens"),
-            deltas_sent=self.stats.get("deltas_sent"),
+            deltas_sent=self.stats.get("deltas_sent"), failed=bool(failure),
         )
         try:
             self.coordinator.Leave(
                 coordinator_pb2.LeaveRequest(
-                    run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(), reason="drained" if flushed else "drain timeout"
+                    run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(),
+                    reason=f"failed: {failure}" if failure else "drained" if flushed else "drain timeout",
                 ),
                 timeout=5,
             )

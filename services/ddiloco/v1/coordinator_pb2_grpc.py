@@ -73,6 +73,10 @@ class CoordinatorServicer:
 
     def Register(self, request, context):
         """A learner joins (or rejoins, asking for its old id) and receives its id, shard and config.
+        INVALID_ARGUMENT: an id outside [0, 2M), or no instance token. ALREADY_EXISTS: the id's
+        lease is held by another live process (wait for it to expire). FAILED_PRECONDITION: wrong
+        run, run draining, or a model that differs from the run's. RESOURCE_EXHAUSTED: every id
+        is held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +84,7 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Renews the learner's lease; the answer tells it the run state and where the outer optimizer is.
+        INVALID_ARGUMENT: statistics that are negative, go backwards, or exceed what the run allows.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

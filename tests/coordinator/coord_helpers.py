@@ -1,0 +1,70 @@
+"""Shared pieces of the coordinator tests: a real coordinator process, and learner-side
+requests signed the way a real learner signs them."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.rpc import channel
+from ddiloco.coordinator.signature import model_signature
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+_SIGNATURES: dict[str, coordinator_pb2.ModelSignature] = {}
+
+
+def run_signature(stub) -> coordinator_pb2.ModelSignature:
+    cfg_json = stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json
+    if cfg_json not in _SIGNATURES:
+        _SIGNATURES[cfg_json] = model_signature(RunConfig.from_json(cfg_json))
+    return _SIGNATURES[cfg_json]
+
+
+def register(stub, requested=-1, run_id="", token=None, model=None):
+    """Register as a learner process would; ``token`` None: a new process each call."""
+    req = coordinator_pb2.RegisterRequest(
+        address="x:1",
+        requested_learner_id=requested,
+        run_id=run_id,
+        instance_token=token if token is not None else secrets.token_hex(8),
+        model=model if model is not None else run_signature(stub),
+    )
+    return stub.Register(req, timeout=10)
+
+
+def announce_outer(stub, run_id="run"):
+    stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id=run_id, kind="outer", address="127.0.0.1:9"), timeout=5)
+
+
+def membership(stub) -> coordinator_pb2.Membership:
+    return stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
+
+
+def snapshot(stub) -> list[tuple]:
+    """What refused input must leave unchanged: who is a member, alive or not, in which
+    incarnation, with which statistics, and the run's state."""
+    m = membership(stub)
+    return [m.state] + [
+        (x.learner_id, x.alive, x.left, x.incarnation, x.shard_index, x.stats.SerializeToString(deterministic=True))
+        for x in m.members
+    ]
+
+
+def start_coordinator(tmp_path, flags=()):
+    from support import TINY_RUN, wait_serving
+
+    from ddiloco.launcher.processes import Cluster
+
+    cluster = Cluster(tmp_path)
+    cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600", *flags])
+    wait_serving(cluster.coordinator_address)
+    return cluster, coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    cluster, stub = start_coordinator(tmp_path, ["--lease-timeout", "1.5"])
+    yield cluster, stub
+    cluster.stop_all()
