@@ -45,6 +45,30 @@ CLIENT_OPTIONS = KEEPALIVE_OPTIONS + [
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
+# Codes that say "not now" about a call, never "not this": the peer is restarting, overloaded
+# or out of disk (the outer optimizer answers RESOURCE_EXHAUSTED or UNAVAILABLE for a full
+# disk), or the call timed out or was cut. A loop that owns a unit of work (an upload, a
+# download) retries these for as long as it takes rather than dropping the work.
+TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+# After these the peer may have received and acted on the call, its answer lost on the way.
+AMBIGUOUS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
 
 class Server:
     """A gRPC server with grpc.health.v1 and reflection.
@@ -141,6 +165,24 @@ def call_with_retry(
         else:
             time.sleep(sleep)
         delay = min(delay * 2, maximum)
+
+
+class Backoff:
+    """Jittered exponential delays for a retry loop that decides for itself what to retry."""
+
+    def __init__(self, initial: float = 0.2, maximum: float = 5.0) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self.delay = initial
+
+    def reset(self) -> None:
+        self.delay = self.initial
+
+    def wait(self, stop: threading.Event) -> bool:
+        """Sleep the next delay, or less if ``stop`` is set meanwhile; True if it was."""
+        sleep = self.delay * (0.5 + random.random() / 2)
+        self.delay = min(self.delay * 2, self.maximum)
+        return stop.wait(sleep)
 
 
 def chunks(payload: bytes, chunk_bytes: int) -> Iterator[bytes]:

@@ -9,9 +9,14 @@ import grpc
 import numpy as np
 
 from ddiloco.common import codec
-from ddiloco.common.rpc import channel
-from ddiloco.common.wire import decode_payload, payload_info, reassemble, stream_messages
+from ddiloco.common.rpc import TRANSIENT, channel
+from ddiloco.common.wire import Refused, decode_payload, payload_info, reassemble, stream_messages
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+
+class CorruptDownload(Exception):
+    """A download that arrived damaged (truncated, checksum mismatch, undecodable): a transport
+    fault, worth asking again."""
 
 
 @dataclass
@@ -74,15 +79,23 @@ class OuterClient:
             ),
             timeout=timeout,
         )
-        header, payload = reassemble(stream, 1 << 34, "global parameters")
+        try:
+            header, payload = reassemble(stream, 1 << 34, "global parameters")
+            arrays = decode_payload(header.payload, payload)
+        except Refused as exc:
+            raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc
         return GlobalParams(
-            header.fragment, header.version, header.tokens_merged, header.base_version,
-            decode_payload(header.payload, payload), len(payload),
+            header.fragment, header.version, header.tokens_merged, header.base_version, arrays, len(payload)
         )
 
     def status(self, timeout: float = 3.0) -> outer_pb2.OuterStatus:
         return self._stub.GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
 
+    def last_seq(self, timeout: float = 3.0) -> int:
+        """The last sequence number the outer optimizer accepted from this learner id (0: none)."""
+        status = self.status(timeout)
+        return next((r.last_seq for r in status.learners if r.learner_id == self.learner_id), 0)
+
 
 def is_retryable(exc: grpc.RpcError) -> bool:
-    return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+    return exc.code() in TRANSIENT

@@ -11,6 +11,22 @@ Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads
 puller keeps that copy per fragment, applies each change to it exactly as the outer
 optimizer does, and hands the updated copy to the worker, which folds it in at its next
 step boundary.
+
+Failures
+--------
+The puller runs under the learner's supervisor (``ddiloco.learner.supervision``): it must
+never end silently, or the learner trains on a base that never moves again.
+
+* transient statuses (``ddiloco.common.rpc.TRANSIENT``, e.g. the outer optimizer
+  restarting): polled again, for as long as it takes, as the uploader does;
+* a corrupt download (``CorruptDownload``: truncated, checksum mismatch, undecodable) is a
+  transport fault: asked again from the same version, with backoff (the outer optimizer
+  keeps the learner's previous copy for exactly this);
+* a change based on another version than the learner's copy: the fragment is asked for in
+  full, which repairs the copy whatever went wrong;
+* ``max_failures`` of those in a row are no longer transient: ``LearnerFailure``. So is any
+  other status (the run or fragment is not what this learner believes), and anything
+  unexpected reaches the supervisor as it is.
 """
 
 from __future__ import annotations
@@ -24,12 +40,22 @@ import grpc
 import numpy as np
 
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.transport import GlobalParams, OuterClient
+from ddiloco.common.rpc import TRANSIENT, Backoff
+from ddiloco.common.transport import CorruptDownload, GlobalParams, OuterClient
 from ddiloco.learner.stats import Stats
+from ddiloco.learner.supervision import LearnerFailure, Supervisor
 
 log = logging.getLogger(__name__)
 
 CATCH_UP_ROUNDS = 2.0
+MAX_FAILURES = 6  # consecutive non-transient failures; with the backoff, about 6 s of trying
+# Statuses of a download that one more download may not repeat: damaged in transit, or an
+# unexpected error on the server's side.
+SERVER_FAULTS = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
+class CopyMismatch(Exception):
+    """A change based on another version than the learner's copy of the fragment."""
 
 
 @dataclass
@@ -50,8 +76,14 @@ class Puller:
         poll_s: float,
         stats: Stats,
         metrics: MetricsLog,
+        max_failures: int = MAX_FAILURES,
+        backoff_initial_s: float = 0.2,
+        backoff_max_s: float = 2.0,
     ) -> None:
         self.client_factory = client_factory
+        self.max_failures = max_failures
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
         self.learner_id = learner_id
         self.round_tokens = round_tokens
         self.poll_s = poll_s
@@ -62,18 +94,19 @@ class Puller:
         self._lock = threading.Lock()
         self.arrived = threading.Event()
         self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="puller", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def pull_all(self, timeout: float = 300.0) -> list[FragmentCopy]:
-        """Blocking download of every fragment, used at start-up."""
+        """Blocking download of every fragment, used at start-up. Transient statuses
+        propagate (the caller retries); corrupt downloads are retried here."""
         client = self.client_factory()
         status = client.status()
         for f in range(len(self.copies)):
-            self._apply(client.pull(f, self.copies[f].version, timeout=timeout), self._mine(status, f))
+            self._pull(client, f, self._mine(status, f), timeout)
         return list(self.copies)
 
-    def start(self) -> None:
-        self.thread.start()
+    def start(self, supervisor: Supervisor) -> None:
+        self.thread = supervisor.spawn("puller", self._loop, self.stop_event)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -92,7 +125,7 @@ class Puller:
         elif old.arrays is not None and got.base_version == old.version:
             arrays = [(n, a + d) for (n, a), (_, d) in zip(old.arrays, got.arrays)]
         else:  # cannot happen with a well-behaved server; refuse rather than corrupt the copy
-            raise RuntimeError(
+            raise CopyMismatch(
                 f"fragment {got.fragment}: change is based on version {got.base_version}, the copy is {old.version}"
             )
         copy = FragmentCopy(got.version, got.tokens_merged, merged_mine, arrays)
@@ -123,17 +156,46 @@ class Puller:
                 out.append(fs.fragment)
         return out
 
+    def _pull(self, client: OuterClient, fragment: int, merged_mine: int, timeout: float) -> FragmentCopy:
+        """Download one fragment into its copy, retrying what a new download can repair."""
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
+        full = False  # after a mismatch, ask for the whole fragment
+        failures = 0
+        while True:
+            try:
+                got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout)
+                return self._apply(got, merged_mine)
+            except grpc.RpcError as exc:
+                if exc.code() not in SERVER_FAULTS:
+                    raise
+                failures += 1
+                reason = f"{exc.code().name}: {exc.details()}"
+            except (CorruptDownload, CopyMismatch) as exc:
+                failures += 1
+                reason = str(exc)
+                full = full or isinstance(exc, CopyMismatch)
+            # a failure one more download may repair, up to max_failures in a row
+            self.metrics.event("pull_failed", learner=self.learner_id, fragment=fragment, reason=reason)
+            if failures >= self.max_failures:
+                raise LearnerFailure(f"download of fragment {fragment} failed {failures} times in a row: {reason}")
+            log.warning("pull fragment %d: %s; asking again", fragment, reason)
+            if backoff.wait(self.stop_event):
+                raise InterruptedError("pull: stopped while retrying")
+
     def _loop(self) -> None:
         while not self.stop_event.wait(self.poll_s):
             try:
                 client = self.client_factory()
                 status = client.status()
                 for fragment in self._wanted(status):
-                    got = client.pull(fragment, self.copies[fragment].version, timeout=300)
                     # merged count read before the pull: the pulled version holds at least that much
-                    copy = self._apply(got, self._mine(status, fragment))
+                    copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300)
                     with self._lock:
                         self._incoming[fragment] = copy
                         self.arrived.set()
             except grpc.RpcError as exc:
-                log.debug("pull: %s", exc.code().name)
+                if exc.code() not in TRANSIENT:
+                    raise LearnerFailure(f"pull refused: {exc.code().name}: {exc.details()}") from exc
+                log.debug("pull: %s; polling again", exc.code().name)  # the outer optimizer is away
+            except InterruptedError:
+                return

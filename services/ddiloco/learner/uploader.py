@@ -1,11 +1,44 @@
 """Background upload of pseudo-gradients, so training never waits on the network.
 
-Windows queue up here as plain arrays. Before a window is first sent it may be coalesced
-with the windows queued behind it: pseudo-gradients of consecutive windows add up exactly
-(each is anchor minus params, and each window's anchor is the previous window's end), so a
-slow link sends fewer, larger deltas instead of falling further behind. Once a delta has a
-sequence number it is retried unchanged until acknowledged; ALREADY_EXISTS means an earlier
-attempt was acknowledged and its answer lost.
+Coalescing, and its bound
+-------------------------
+While an upload is in flight, later windows of the same fragment are summed into one queued
+delta: pseudo-gradients of consecutive windows add up exactly (each is anchor minus params,
+and each window's anchor is the previous window's end), so a slow link sends fewer, larger
+deltas instead of falling further behind. At most ``max_coalesce_windows`` windows (and
+that many times H steps) go into one delta. Once a fragment's queued delta is full, the
+training loop waits in ``submit`` until the uploader takes it. Waiting is the only choice
+that keeps all three promises: dropping the window loses work; summing further makes a
+delta the outer optimizer refuses (its header would claim more steps than a learner can
+coalesce, see ``ddiloco.outer.admission``) and one huge step from an ever older base;
+queueing more makes memory grow without bound while the outer optimizer is away. So memory
+stays at one queued and one in-flight delta per fragment, and when the link or the outer
+optimizer is the bottleneck, compute slows to its pace instead of piling up stale work.
+
+Every window is accounted for
+-----------------------------
+A submitted window is acknowledged, still queued or being retried, answered by a final
+verdict of the server (FAILED_PRECONDITION: its base is too stale to merge, by design;
+logged and recorded), or the learner fails loudly (``LearnerFailure``, see
+``ddiloco.learner.supervision``). It is never dropped silently. Per status code:
+
+* transient (``ddiloco.common.rpc.TRANSIENT``: the outer optimizer restarting, overloaded,
+  out of disk; a timeout): retried with backoff, for as long as it takes;
+* DATA_LOSS (corrupted in transit): retried; the same payload corrupted
+  ``MAX_CORRUPT_ATTEMPTS`` times in a row is no longer transit noise, and fails;
+* PERMISSION_DENIED (the coordinator does not know this learner yet, e.g. it restarted and
+  the learner is registering again) and UNKNOWN (an unexpected server error): retried a
+  bounded number of times, then fail;
+* ALREADY_EXISTS: the sequence number was accepted before. That is an acknowledgement only
+  if it was ours: an earlier attempt of this sequence may have reached the server (it
+  ended ambiguously, its answer lost) *and* the outer optimizer's last accepted sequence
+  for this learner id is exactly this one (uploads are strictly sequential, so after our
+  own accepted attempt nothing newer can exist). Otherwise another process uploads under
+  this learner id, and counting the window as acknowledged would silently drop it: fail;
+* anything else (INVALID_ARGUMENT, ...): the delta is malformed for this run; fail.
+
+A window whose values are not finite (training diverged) cannot be encoded: fail, saying so.
+Once a delta has a sequence number it is retried unchanged until it is resolved.
 """
 
 from __future__ import annotations
@@ -23,10 +56,15 @@ import numpy as np
 from ddiloco.common import codec
 from ddiloco.common.config import LearnerConfig
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.transport import OuterClient, is_retryable
+from ddiloco.common.rpc import AMBIGUOUS, TRANSIENT, Backoff, call_with_retry
+from ddiloco.common.transport import OuterClient
 from ddiloco.learner.stats import Stats
+from ddiloco.learner.supervision import LearnerFailure, Supervisor
 
 log = logging.getLogger(__name__)
+
+MAX_CORRUPT_ATTEMPTS = 10
+BOUNDED_RETRIES = {grpc.StatusCode.PERMISSION_DENIED: 20, grpc.StatusCode.UNKNOWN: 5}
 
 
 @dataclass
@@ -38,6 +76,7 @@ class Window:
     loss: float
     compute_seconds: float = 0.0  # learner time spent computing this window, for goodput
     fragment: int = 0
+    windows: int = 1  # how many training windows were summed into this one
 
     def absorb(self, later: "Window") -> None:
         self.arrays = [(n, a + b) for (n, a), (_, b) in zip(self.arrays, later.arrays)]
@@ -46,6 +85,7 @@ class Window:
         self.tokens += later.tokens
         self.compute_seconds += later.compute_seconds
         self.inner_steps = total_steps
+        self.windows += later.windows
         # the base stays the earlier one: that is what the sum was computed against
 
 
@@ -68,18 +108,42 @@ class Uploader:
         self.on_ack = on_ack
         self.learner_id = learner_id
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
-        self.queue: collections.deque[Window] = collections.deque()
+        self.max_windows = max(1, cfg.max_coalesce_windows)
+        self.max_steps = self.max_windows * cfg.inner_steps  # what the outer optimizer admits
+        self.backoff_initial_s = 0.2
+        self.backoff_max_s = 5.0
+        self.queue: collections.deque[Window] = collections.deque()  # not yet sent, oldest first
         self.cond = threading.Condition()
         self.busy = False
+        self.ended = False  # the thread is gone (stopped or failed): nothing queued will be sent
+        self.failed = False  # it is gone because it failed
         self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="uploader", daemon=True)
+        self.release = threading.Event()  # set: submit never waits for room (the learner is leaving)
+        self.thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self.thread.start()
+    def start(self, supervisor: Supervisor, release: threading.Event | None = None) -> None:
+        """Start the upload thread under ``supervisor``. ``release``, once set, lets ``submit``
+        queue past the bound: a learner that is draining must flush, not wait for room."""
+        if release is not None:
+            self.release = release
+        self.thread = supervisor.spawn("uploader", self._run, self.stop_event)
 
     def submit(self, window: Window) -> None:
+        """Queue a window, summed into its fragment's queued delta while that has room; else
+        wait until the uploader takes that delta (see the module docstring for why)."""
         with self.cond:
-            self.queue.append(window)
+            while True:
+                queued = next((w for w in reversed(self.queue) if w.fragment == window.fragment), None)
+                if queued is None:
+                    self.queue.append(window)
+                    break
+                if queued.windows + window.windows <= self.max_windows and queued.inner_steps + window.inner_steps <= self.max_steps:
+                    queued.absorb(window)
+                    break
+                if self.ended or self.stop_event.is_set() or self.release.is_set():
+                    self.queue.append(window)  # at most one more per fragment while leaving
+                    break
+                self.cond.wait(0.5)
             self.cond.notify_all()
 
     def pending(self) -> int:
@@ -87,38 +151,46 @@ class Uploader:
             return len(self.queue) + (1 if self.busy else 0)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until everything queued is acknowledged (or refused). True if drained."""
+        """Wait until everything queued is resolved. True if drained; False on timeout or if
+        the upload thread is gone (then what is left is not acknowledged, and a restarted
+        learner trains it again)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while self.queue or self.busy:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.ended:
                     return False
                 self.cond.wait(min(left, 0.5))
-        return True
+            return not self.failed
 
     def stop(self) -> None:
         self.stop_event.set()
         with self.cond:
             self.cond.notify_all()
 
+    # ------------------------------------------------------------------ upload thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            with self.cond:
+                self.failed = True  # the window it was sending is not acknowledged
+            raise
+        finally:
+            with self.cond:
+                self.ended = True
+                self.cond.notify_all()
+
     def _loop(self) -> None:
-        while not self.stop_event.is_set():
+        while True:
             with self.cond:
                 while not self.queue and not self.stop_event.is_set():
                     self.cond.wait(0.5)
                 if self.stop_event.is_set():
                     return
                 window = self.queue.popleft()
-                # later windows of the same fragment fold into this one; others keep their order
-                rest = collections.deque()
-                for later in self.queue:
-                    if later.fragment == window.fragment:
-                        window.absorb(later)
-                    else:
-                        rest.append(later)
-                self.queue = rest
                 self.busy = True
+                self.cond.notify_all()  # a training loop waiting for room has it now
             try:
                 self._send(window)
             finally:
@@ -127,19 +199,26 @@ class Uploader:
                     self.cond.notify_all()
 
     def _encode(self, window: Window) -> codec.Encoded:
-        if self.feedback is not None:
-            return self.feedback.encode(window.arrays, self.cfg.codec, self.cfg.block_size)
-        return codec.encode(window.arrays, self.cfg.codec, self.cfg.block_size)
+        try:
+            if self.feedback is not None:
+                return self.feedback.encode(window.arrays, self.cfg.codec, self.cfg.block_size)
+            return codec.encode(window.arrays, self.cfg.codec, self.cfg.block_size)
+        except codec.CodecError as exc:
+            raise LearnerFailure(
+                f"training diverged: the pseudo-gradient of fragment {window.fragment} "
+                f"({window.inner_steps} steps on base version {window.base_version}, mean loss {window.loss:.4g}) "
+                f"cannot be uploaded: {exc}"
+            ) from exc
 
     def _send(self, window: Window) -> None:
         enc = self._encode(window)
         seq = self.next_seq
         self.next_seq += 1
         self.stats.add(deltas_sent=1)
-        delay = 0.2
-        attempts = 0
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
+        failures: collections.Counter[grpc.StatusCode] = collections.Counter()
+        maybe_delivered = False  # an earlier attempt may have been accepted, its answer lost
         while not self.stop_event.is_set():
-            attempts += 1
             client = self.client_factory()
             try:
                 resp = client.push(
@@ -154,24 +233,68 @@ class Uploader:
                     timeout=60 + len(enc.payload) / 1e5,  # generous for slow links: 100 kB/s floor
                 )
             except grpc.RpcError as exc:
-                code = exc.code()
+                code, details = exc.code(), exc.details()
                 if code == grpc.StatusCode.ALREADY_EXISTS:
-                    self._acked(seq, window, enc, duplicate=True)
+                    if self._confirm_ours(client, seq, maybe_delivered, details):
+                        self._acked(seq, window, enc, duplicate=True)
                     return
-                if is_retryable(exc) or (code == grpc.StatusCode.PERMISSION_DENIED and attempts < 20):
-                    if attempts == 1 or attempts % 10 == 0:
-                        log.info("upload seq %d: %s; retrying", seq, code.name)
-                    self.stop_event.wait(delay)
-                    delay = min(delay * 2, 5.0)
-                    continue
-                log.warning("upload seq %d refused: %s %s", seq, code.name, exc.details())
-                self.metrics.event(
-                    "upload_refused", learner=self.learner_id, seq=seq, code=code.name, reason=exc.details(),
-                    tokens=window.tokens, compute_seconds=round(window.compute_seconds, 4),
-                )
-                return
+                if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._refused(seq, window, code, details)
+                    return
+                maybe_delivered |= code in AMBIGUOUS
+                failures[code] += 1
+                self._check_retry(seq, window, code, details, failures[code])
+                if failures[code] == 1 or failures[code] % 10 == 0:
+                    log.info("upload seq %d: %s (%s); retrying, attempt %d", seq, code.name, details, failures[code])
+                backoff.wait(self.stop_event)
+                continue
             self._acked(seq, window, enc, duplicate=False, version=resp.global_version)
             return
+
+    def _check_retry(self, seq: int, window: Window, code: grpc.StatusCode, details: str, count: int) -> None:
+        """Return if this failure is worth another attempt; raise LearnerFailure if not."""
+        if code in TRANSIENT:
+            return
+        where = f"upload of fragment {window.fragment} seq {seq} ({window.tokens} tokens)"
+        if code == grpc.StatusCode.DATA_LOSS:
+            if count < MAX_CORRUPT_ATTEMPTS:
+                return
+            raise LearnerFailure(f"{where}: corrupted in transit {count} times in a row (DATA_LOSS: {details})")
+        limit = BOUNDED_RETRIES.get(code)
+        if limit is not None and count < limit:
+            return
+        raise LearnerFailure(f"{where} refused: {code.name}: {details}" + (f" ({count} attempts)" if limit else ""))
+
+    def _confirm_ours(self, client: OuterClient, seq: int, maybe_delivered: bool, details: str) -> bool:
+        """ALREADY_EXISTS is an acknowledgement only of our own earlier attempt: True if it is,
+        LearnerFailure if not, False if the learner stopped before it could tell."""
+        where = f"upload seq {seq}: the outer optimizer already holds this sequence number ({details})"
+        if not maybe_delivered:
+            raise LearnerFailure(
+                f"{where}, but no earlier attempt of it can have reached it: "
+                f"another process uploads as learner {self.learner_id}"
+            )
+        try:
+            last = call_with_retry(
+                client.last_seq, what="outer status", max_elapsed=600, stop=self.stop_event, retry_on=TRANSIENT
+            )
+        except InterruptedError:
+            return False
+        if last != seq:
+            raise LearnerFailure(
+                f"{where}, and its last accepted sequence for learner {self.learner_id} is {last}, not {seq}: "
+                "another process uploads under this learner id"
+            )
+        return True
+
+    def _refused(self, seq: int, window: Window, code: grpc.StatusCode, details: str) -> None:
+        """A final verdict on this delta (its base is too stale to merge): recorded, not retried.
+        The learner's copy moves on through the puller, so its next window is fresh again."""
+        log.warning("upload seq %d refused: %s %s", seq, code.name, details)
+        self.metrics.event(
+            "upload_refused", learner=self.learner_id, seq=seq, code=code.name, reason=details,
+            tokens=window.tokens, compute_seconds=round(window.compute_seconds, 4),
+        )
 
     def _acked(self, seq: int, window: Window, enc: codec.Encoded, duplicate: bool, version: int = -1) -> None:
         self.stats.add(deltas_acked=1, bytes_uploaded=len(enc.payload))
@@ -183,6 +306,7 @@ class Uploader:
             compute_seconds=round(window.compute_seconds, 4),
             base_version=window.base_version,
             tokens=window.tokens,
+            windows=window.windows,
             bytes=len(enc.payload),
             raw_bytes=enc.raw_bytes,
             duplicate=duplicate,

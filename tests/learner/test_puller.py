@@ -1,0 +1,105 @@
+"""The puller never ends silently: a corrupt download is a transport fault and is asked for
+again, a change on the wrong base is repaired by a full download, the outer optimizer being
+away is waited out; repeated failure, or a refusal no retry can fix, fails the learner loudly.
+
+The outer optimizer is a fake on a real gRPC socket (tests/learner/outer_fake.py).
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from learner_fixtures import outer, rig  # noqa: F401 - fixtures
+from outer_fake import CORRUPT, WRONG_BASE
+from support import wait_until
+
+S = grpc.StatusCode
+
+
+def _start_with_a_new_version(outer, rig, max_failures=3):  # noqa: F811
+    """Start-up pull of version 0, then version 1 holding this learner's merged delta."""
+    puller, sup = rig.puller(outer, max_failures=max_failures)
+    puller.pull_all(timeout=10)
+    with outer.lock:
+        outer.params[0] = [("w", np.full(8, 2.5, np.float32))]
+        outer.versions[0] = 1
+        outer.merged_by_learner[0][0] = 1
+    return puller, sup
+
+
+def _arrival(puller):
+    got = {}
+
+    def arrived():
+        got.update(puller.take())
+        return 0 in got
+
+    return arrived, got
+
+
+def test_a_corrupt_download_is_asked_for_again_from_the_same_version(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig)
+    outer.pull_script.extend([CORRUPT, CORRUPT])
+    puller.start(sup)
+    arrived, got = _arrival(puller)
+    wait_until(arrived, 10, "version 1 to arrive")
+    assert got[0].version == 1
+    np.testing.assert_array_equal(got[0].arrays[0][1], np.full(8, 2.5, np.float32))
+    assert outer.pull_requests[1:] == [(0, 0)] * 3  # the learner's copy is still version 0
+    assert not sup.failed.is_set() and puller.thread.is_alive()
+
+
+def test_corrupt_downloads_that_keep_coming_fail_the_learner_loudly(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig, max_failures=3)
+    outer.pull_default = CORRUPT
+    puller.start(sup)
+    wait_until(sup.failed.is_set, 10, "the puller to fail")
+    assert sup.failure.startswith("puller: download of fragment 0 failed 3 times in a row")
+    assert "checksum mismatch" in sup.failure
+    assert puller.take() == {}
+
+
+def test_a_change_based_on_another_version_is_repaired_by_a_full_download(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig)
+    outer.pull_script.append(WRONG_BASE)
+    puller.start(sup)
+    arrived, got = _arrival(puller)
+    wait_until(arrived, 10, "version 1 to arrive")
+    assert outer.pull_requests[1:] == [(0, 0), (0, -1)]  # then the whole fragment
+    np.testing.assert_array_equal(got[0].arrays[0][1], np.full(8, 2.5, np.float32))
+    assert not sup.failed.is_set()
+
+
+def test_server_faults_on_a_download_are_retried(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig)
+    outer.pull_script.extend([S.DATA_LOSS, S.UNKNOWN])
+    puller.start(sup)
+    arrived, got = _arrival(puller)
+    wait_until(arrived, 10, "version 1 to arrive")
+    assert not sup.failed.is_set()
+
+
+def test_the_outer_optimizer_away_for_a_while_is_waited_out(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig)
+    outer.status_script.extend([S.UNAVAILABLE] * 20 + [S.DEADLINE_EXCEEDED] * 5)
+    outer.pull_script.extend([S.UNAVAILABLE] * 3)
+    puller.start(sup)
+    arrived, got = _arrival(puller)
+    wait_until(arrived, 20, "version 1 to arrive")
+    assert not sup.failed.is_set()
+
+
+def test_a_refusal_that_retrying_cannot_fix_fails_the_learner_loudly(outer, rig):  # noqa: F811
+    puller, sup = _start_with_a_new_version(outer, rig)
+    outer.pull_script.append(S.FAILED_PRECONDITION)
+    puller.start(sup)
+    wait_until(sup.failed.is_set, 10, "the puller to fail")
+    assert sup.failure == "puller: pull refused: FAILED_PRECONDITION: scripted FAILED_PRECONDITION"
+
+
+def test_a_corrupt_download_at_start_up_is_asked_for_again(outer, rig):  # noqa: F811
+    puller, _ = rig.puller(outer)
+    outer.pull_script.append(CORRUPT)
+    copies = puller.pull_all(timeout=10)
+    assert copies[0].version == 0 and outer.pull_requests == [(0, -1), (0, -1)]
