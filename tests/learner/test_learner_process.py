@@ -1,0 +1,96 @@
+"""A learner process whose background thread fails does not train on silently: it logs the
+cause, stops training, flushes its uploads, leaves the run with the reason and exits
+non-zero, so that the orchestrator restarts it.
+
+Real processes on real sockets: the coordinator and the learner are `python -m ddiloco`
+processes; the outer optimizer is a fake on a real gRPC socket (tests/learner/outer_fake.py)
+that serves the run's real initial parameters and then answers what the test scripts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.fragments import partition
+from ddiloco.common.model import build_model
+from ddiloco.common.rpc import channel
+from ddiloco.launcher.processes import Cluster
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+from outer_fake import CORRUPT, FakeOuter
+from support import TINY_RUN, wait_until
+
+
+def _events(cluster: Cluster, kind: str) -> list[dict]:
+    path = cluster.out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A coordinator process, and a fake outer optimizer registered with it."""
+    cluster = Cluster(tmp_path)
+    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600"])
+    with channel(cluster.coordinator_address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        resp = stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=10)
+        config = RunConfig.from_json(resp.config_json)
+        model = build_model(config.model, config.seed)
+        named = [(n, p.detach().numpy().copy()) for n, p in model.named_parameters()]
+        frags = partition([a.size for _, a in named], config.fragments)
+        fake = FakeOuter([[named[i] for i in ids] for ids in frags], run_id=config.run_id)
+        fake.merge_on_accept = True  # each accepted delta makes a new version, which the learner pulls
+        with fake:
+            stub.RegisterService(
+                coordinator_pb2.RegisterServiceRequest(run_id=config.run_id, kind="outer", address=fake.address), timeout=10
+            )
+            yield cluster, fake
+            cluster.stop_all(grace=5)
+
+
+def _learner_exit(cluster: Cluster) -> tuple[int, str]:
+    proc = cluster.start_learner(0, ["--device", "cpu"])
+    code = proc.popen.wait(timeout=240)
+    return code, proc.log_path.read_text()
+
+
+def test_a_learner_whose_downloads_keep_arriving_corrupt_exits_non_zero_after_flushing(run):
+    cluster, fake = run
+    fake.pull_script.append(None)  # the start-up download is fine, every later one corrupt
+    fake.pull_default = CORRUPT
+
+    code, log = _learner_exit(cluster)
+
+    assert code == 1, log[-3000:]
+    assert "learner failing (puller): download of fragment 0 failed 6 times in a row" in log
+    assert "checksum mismatch" in log
+    stop = _events(cluster, "learner_stop")[-1]
+    assert stop["failed"] and stop["flushed"], stop  # its trained windows went up before it left
+    left = _events(cluster, "learner_left")[-1]
+    assert left["reason"].startswith("failed: puller: download of fragment 0"), left
+    windows = _events(cluster, "window")
+    assert windows and len(_events(cluster, "upload_acked")) <= len(windows)
+    assert sum(e["tokens"] for e in _events(cluster, "upload_acked")) == sum(a.tokens for a in fake.accepted)
+
+
+def test_a_learner_whose_id_is_used_by_another_process_exits_non_zero_and_acknowledges_nothing_of_it(run):
+    cluster, fake = run
+
+    def another_process_took_this_sequence(fake, header):
+        fake.last_seq[header.learner_id] = header.seq
+        return None  # the server's rule then answers ALREADY_EXISTS
+
+    fake.push_script.append(another_process_took_this_sequence)
+
+    code, log = _learner_exit(cluster)
+
+    assert code == 1, log[-3000:]
+    assert "another process uploads as learner 0" in log
+    assert _events(cluster, "upload_acked") == []
+    assert fake.accepted == []
+    assert _events(cluster, "learner_left")[-1]["reason"].startswith("failed: uploader: upload seq 1")
+    np.testing.assert_equal(len(_events(cluster, "learner_failed")), 1)
