@@ -83,9 +83,20 @@ def fingerprint(state) -> tuple:
 # ---------------------------------------------------------------- real processes
 def register(coordinator_address: str, n: int) -> list[int]:
     """Register ``n`` learner ids with the coordinator without starting learners."""
+    import secrets
+
+    from ddiloco.coordinator.signature import model_signature
+
     stub = coordinator_pb2_grpc.CoordinatorStub(channel(coordinator_address))
+    config = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
+    signature = model_signature(config)
     return [
-        stub.Register(coordinator_pb2.RegisterRequest(address="test", requested_learner_id=-1), timeout=5).learner_id
+        stub.Register(
+            coordinator_pb2.RegisterRequest(
+                address="test", requested_learner_id=-1, instance_token=secrets.token_hex(8), model=signature
+            ),
+            timeout=5,
+        ).learner_id
         for _ in range(n)
     ]
 

@@ -29,7 +29,7 @@ import re
 import struct
 from typing import Callable
 
-from ddiloco.common.durable import write_bytes
+from ddiloco.common.durable import StorageError, write_bytes
 from ddiloco.v1 import outer_pb2
 
 _NAME = re.compile(r"^(\d+)-(\d+)\.delta$")
@@ -101,7 +101,12 @@ class DeltaJournal:
     def write(self, header: outer_pb2.DeltaHeader, payload: bytes) -> pathlib.Path:
         """Durable before it returns; raises ``StorageError`` (nothing written) on failure."""
         path = self.path_for(header.learner_id, header.seq)
-        self.writer(path, encode_entry(header, payload))
+        try:
+            self.writer(path, encode_entry(header, payload))
+        except StorageError:
+            raise
+        except OSError as exc:  # whatever the writer, the caller gets one typed error
+            raise StorageError(path, exc) from exc
         return path
 
     def load(

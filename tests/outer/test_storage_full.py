@@ -1,0 +1,171 @@
+"""A full disk never stops the outer optimizer or loses work.
+
+* A journal write that fails refuses the delta with RESOURCE_EXHAUSTED naming the path and
+  errno (learners retry it), changes nothing (not acknowledged, sequence not consumed), and
+  the same delta is accepted once there is space again.
+* A checkpoint write that fails is logged and reported (``checkpoint_failed``), merges go
+  on (the journal and merge records cover them), and it is retried until it succeeds.
+
+The process-level tests use a real full disk: a tiny tmpfs mounted over the journal or
+checkpoint folder, which needs root; without root they are skipped, and the in-process
+tests (an injected writer raising OSError(ENOSPC)) still cover the logic.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import grpc
+import pytest
+
+from outer_helpers import Remote, Tmpfs, fingerprint, push, register, tiny_config
+
+from ddiloco.common.durable import StorageError
+from ddiloco.outer.state import OuterState
+
+
+def enospc(path, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# ---------------------------------------------------------------- in process, injected
+def test_a_failed_journal_write_changes_nothing_and_the_same_delta_is_accepted_later(tmp_path):
+    state = OuterState(tiny_config(), tmp_path)
+    push(state, 0, 1, seed=0)
+    assert state.merge(0, force=True)
+    before = fingerprint(state)
+    real_writer = state.journal.writer
+
+    state.journal.writer = enospc
+    with pytest.raises(StorageError) as info:
+        push(state, 0, 2, seed=1)
+    assert info.value.errno == errno.ENOSPC
+    assert fingerprint(state) == before, "a delta that was not journaled changed the state"
+    assert list((tmp_path / "journal").glob(".*")) == []
+
+    state.journal.writer = real_writer
+    push(state, 0, 2, seed=1)  # the same sequence: it was not consumed
+    assert state.status().learners[0].last_seq == 2
+
+
+def test_durable_write_leaves_no_temporary_when_the_disk_is_full(tmp_path, monkeypatch):
+    from ddiloco.common import durable
+
+    def full_fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(durable.os, "fsync", full_fsync)
+    with pytest.raises(StorageError, match=r"cannot write .*entry.*Errno 28 ENOSPC"):
+        durable.write_bytes(tmp_path / "entry", b"x" * 100)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_checkpoint_is_reported_merging_goes_on_and_it_is_retried(tmp_path):
+    cfg = tiny_config(checkpoint_every=2)
+    state = OuterState(cfg, tmp_path)
+    full = {"on": True}
+
+    def hook(step):
+        if full["on"] and step == "tensors":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    state.checkpoints.hook = hook
+    seq = {0: 0, 1: 0}
+    for i in range(5):  # checkpoints fall due at merges 2 and 4 and fail
+        lid = i % 2
+        seq[lid] += 1
+        push(state, lid, seq[lid], seed=i)
+        assert state.merge(0, force=True)
+    assert state.version == 5
+    assert state.checkpoints.failures >= 2
+    assert "Errno 28" in state.checkpoints.last_error
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [], "a failed checkpoint left files"
+    before = fingerprint(state)
+
+    full["on"] = False
+    assert state.checkpoint() is not None  # what the service's retry loop or the next merge does
+    assert state.checkpoints.last_error is None
+    assert fingerprint(OuterState(cfg, tmp_path)) == before
+
+
+# ---------------------------------------------------------------- real processes, real full disk
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a real full disk needs a tmpfs mount, which needs root")
+
+
+@pytest.fixture
+def outer_on(tmp_path):
+    """Start coordinator + outer optimizer with a tiny tmpfs over one of the outer's folders."""
+    from support import TINY_RUN, wait_serving, wait_until
+
+    from ddiloco.launcher.processes import Cluster
+
+    mounts, clusters = [], []
+
+    def start(folder: str, size: str, flags: list[str]):
+        cluster = Cluster(tmp_path / "run")
+        clusters.append(cluster)
+        mounts.append(Tmpfs(tmp_path / "run" / "outer" / folder, size))
+        cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", "--run-id", "disk", *flags])
+        proc = cluster.start_outer()
+        wait_until(cluster.registered_outer, 120, "outer registration")
+        wait_serving(cluster.outer_address)
+        ids = register(cluster.coordinator_address, 2)
+        return cluster, proc, mounts[-1], [Remote(cluster.outer_address, "disk", i) for i in ids]
+
+    yield start
+    for c in clusters:
+        c.stop_all(grace=10)
+    for m in mounts:
+        m.unmount()
+
+
+@needs_root
+def test_full_disk_on_the_journal_answers_resource_exhausted_and_the_retry_is_accepted(outer_on):
+    cluster, proc, disk, (a, b) = outer_on("journal", "16k", [])
+    before = a.global_state()
+    status = a.status()
+    with pytest.raises(grpc.RpcError) as info:
+        a.push(seq=1)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+    assert "Errno 28" in info.value.details() and "journal" in info.value.details()
+    assert a.global_state() == before
+    after = a.status()
+    assert (after.version, after.pending_deltas, after.bytes_received) == (status.version, status.pending_deltas, status.bytes_received)
+    mine = [r for r in after.learners if r.learner_id == a.learner_id]
+    assert all(r.last_seq == 0 and r.deltas_accepted == 0 for r in mine), "the sequence was consumed"
+    assert proc.returncode() is None, "the outer optimizer stopped on a full disk"
+
+    disk.resize("64m")  # space is back: the learner's retry of the same sequence goes through
+    assert a.push(seq=1).global_version == before[0]
+    assert [f for f in os.listdir(disk.path) if f.startswith(".")] == []
+
+
+@needs_root
+def test_full_disk_on_checkpoints_keeps_merging_and_the_checkpoint_is_retried(outer_on):
+    from support import wait_until
+
+    from ddiloco.common.metrics import read_events
+
+    cluster, proc, disk, (a, b) = outer_on("checkpoints", "32k", ["--checkpoint-every", "1"])
+    for seq in (1, 2, 3):
+        v = a.global_state()[0]
+        a.push(seq=seq, seed=seq, base=v)
+        b.push(seq=seq, seed=10 + seq, base=v)
+        wait_until(lambda: a.global_state()[0] > v, 60, f"merge {seq}")
+    events = read_events(cluster.out / "metrics.jsonl")
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert failed and "Errno 28" in failed[0]["error"]
+    assert proc.returncode() is None, "a failed checkpoint stopped the outer optimizer"
+    assert not [p for p in os.listdir(disk.path) if not p.startswith(".")], "a failed checkpoint left a folder"
+
+    disk.resize("64m")
+    wait_until(
+        lambda: any(e["event"] == "checkpoint_recovered" for e in read_events(cluster.out / "metrics.jsonl")),
+        30, "the checkpoint retry",
+    )
+    # the retried checkpoint holds the live version
+    version = a.global_state()[0]
+    latest = (disk.path / "LATEST").read_text().strip()
+    assert json.loads((disk.path / latest / "state.json").read_text())["version"] == version
