@@ -10,11 +10,18 @@ stays within one round of quantization error of the true global parameters.
 The full fragment (fp32) goes out only when a learner joins, rejoins, or asks from a
 version this side no longer holds. The copy before the latest download is kept as well, so
 a download lost in transit (the learner asks again from its older version) costs nothing.
+
+Bounded: every remembered copy is a full fragment, so views are kept for at most
+``max_learners`` learners, least recently pulled first out. The service only asks for
+learners the coordinator registered, and sizes the bound as the planned learners plus a
+margin for replacements; a learner whose view was evicted simply gets the full fragment
+on its next pull, as after a rejoin.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -22,33 +29,52 @@ from ddiloco.common import codec
 
 
 class DownloadViews:
-    def __init__(self, codec_name: str, block_size: int) -> None:
+    def __init__(self, codec_name: str, block_size: int, max_learners: int) -> None:
+        if max_learners < 1:
+            raise ValueError(f"max_learners must be at least 1, got {max_learners}")
         self.codec = codec_name
         self.block_size = block_size
-        self._copies: dict[tuple[int, int], dict[int, list[np.ndarray]]] = {}
+        self.max_learners = max_learners
+        # learner -> fragment -> {version: copy}; order is recency of the learner's last pull
+        self._views: OrderedDict[int, dict[int, dict[int, list[np.ndarray]]]] = OrderedDict()
+        self.evicted = 0
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Learners with a view held."""
+        with self._lock:
+            return len(self._views)
 
     def forget(self, learner_id: int) -> None:
         with self._lock:
-            for key in [k for k in self._copies if k[0] == learner_id]:
-                del self._copies[key]
+            self._views.pop(learner_id, None)
+
+    def _fragments_of(self, learner_id: int) -> dict[int, dict[int, list[np.ndarray]]]:
+        views = self._views.get(learner_id)
+        if views is None:
+            views = self._views[learner_id] = {}
+            while len(self._views) > self.max_learners:
+                self._views.popitem(last=False)
+                self.evicted += 1
+        self._views.move_to_end(learner_id)
+        return views
 
     def encode_for(
         self, learner_id: int, fragment: int, have_version: int, version: int, arrays: list[tuple[str, np.ndarray]]
     ) -> tuple[codec.Encoded, int]:
         """Returns (payload, base_version): base -1 means a full fp32 fragment."""
-        key = (learner_id, fragment)
         with self._lock:
-            copies = self._copies.get(key, {})
+            views = self._fragments_of(learner_id)
+            copies = views.get(fragment, {})
             base = copies.get(have_version) if have_version >= 0 else None
             if base is None or self.codec == "fp32":
                 enc = codec.encode(arrays, "fp32")
-                self._copies[key] = {version: [a.copy() for _, a in arrays]}
+                views[fragment] = {version: [a.copy() for _, a in arrays]}
                 return enc, -1
             diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
             enc = codec.encode(diff, self.codec, self.block_size)
             sent = codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
             new_copy = [b + d for b, (_, d) in zip(base, sent)]
             # keep the learner's current copy too: if this download is lost, it asks again from it
-            self._copies[key] = {have_version: base, version: new_copy}
+            views[fragment] = {have_version: base, version: new_copy}
             return enc, have_version

@@ -14,6 +14,7 @@ import torch
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import eval_windows, load_corpus
+from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
@@ -27,6 +28,13 @@ log = logging.getLogger(__name__)
 # After a restart, how long merges wait for every live learner's re-sent delta: the
 # learners' retry backoff (at most 5 s) plus gRPC's reconnect backoff (at most 2 s), with room.
 RESTART_GRACE_S = 10.0
+# How often a failed checkpoint is tried again when no merge comes to retry it first.
+CHECKPOINT_RETRY_S = 5.0
+# Download views are kept for the planned learners plus this many (at least): replacements
+# and rejoins get new ids while the old ones' views age out.
+VIEW_MARGIN = 8
+# The run states in which the coordinator may ask for the final merge and evaluation.
+FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
 
 
 @dataclass
@@ -163,6 +171,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         except Refused as exc:
             svc.metrics.event("delta_refused", code=exc.code.name, reason=exc.message)
             context.abort(exc.code, exc.message)
+        except StorageError as exc:
+            # the journal write failed before anything changed: not acknowledged, sequence not
+            # consumed, so the learner's retry of the same delta is accepted once space is back
+            log.error("delta not journaled: %s", exc)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; the delta was not acknowledged, send it again later")
         svc.metrics.event(
             "delta_accepted",
             learner=header.learner_id,
@@ -181,6 +194,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
         if not 0 <= request.fragment < len(svc.state.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {request.fragment} does not exist")
+        try:
+            # a download view holds a full fragment copy: only for learners the run has
+            svc.known.check(request.learner_id)
+        except Refused as exc:
+            context.abort(exc.code, exc.message)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
         enc, base = svc.downloads.encode_for(request.learner_id, request.fragment, request.have_version, version, arrays)
         header = outer_pb2.GlobalHeader(
@@ -195,13 +213,10 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         return self.svc.status()
 
     def Finalize(self, request, context):
-        svc = self.svc
-        svc.state.merge_all()
-        _, loss, acc = svc.evaluator.run_once()
-        svc.state.checkpoint()
-        svc.finalized.set()
-        svc.metrics.event("finalize", version=svc.state.version, eval_loss=loss, eval_accuracy=acc)
-        return outer_pb2.FinalizeResponse(status=svc.status(), final_eval_loss=loss, final_eval_accuracy=acc)
+        try:
+            return self.svc.finalize()
+        except Refused as exc:
+            context.abort(exc.code, exc.message)
 
 
 class OuterService:
@@ -218,6 +233,8 @@ class OuterService:
         self.server: Server | None = None
         self._threads: list[threading.Thread] = []
         self.recovery_until = 0.0  # after a restart: merges wait for every live learner until then
+        self._finalize_lock = threading.Lock()
+        self._final: outer_pb2.FinalizeResponse | None = None  # the answer every later Finalize repeats
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -232,7 +249,9 @@ class OuterService:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "outer")
         state_dir = run_dir / "outer" if run_dir else None
         self.state = OuterState(self.config, state_dir, self.metrics)
-        self.downloads = DownloadViews(self.config.learner.codec, self.config.learner.block_size)
+        self.downloads = DownloadViews(
+            self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners)
+        )
         self.evaluator = Evaluator(self.config, self.state, self.metrics)
         self.server = Server(self.options.bind, [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name])
         outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
@@ -256,7 +275,8 @@ class OuterService:
             # judge each against the others' as stale, so let them all arrive first (bounded)
             self.recovery_until = time.monotonic() + RESTART_GRACE_S
         self.metrics.event("outer_ready", address=self.address, version=self.state.version)
-        for target, name in ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch")):
+        loops = ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch"), (self._checkpoint_loop, "checkpoint"))
+        for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -273,8 +293,39 @@ class OuterService:
             pass
         if self.server:
             self.server.stop()
-        # a clean shutdown leaves nothing to replay from the journal
+        # a clean shutdown leaves nothing to replay from the journal; a failure is logged, and
+        # the journal still covers everything for the next start
         self.state.checkpoint()
+
+    def finalize(self) -> outer_pb2.FinalizeResponse:
+        """Merge what is pending, evaluate, checkpoint: once, at the end of the run.
+
+        Only once the coordinator reports the run draining or finished, asked now rather
+        than from the watch loop's cache (anyone can call this). Idempotent: the coordinator
+        retries a Finalize whose answer it lost, and a retry gets the first answer without
+        merging or checkpointing again. Raises ``Refused``."""
+        with self._finalize_lock:
+            if self._final is not None:
+                return self._final
+            try:
+                self.known.refresh()
+            except grpc.RpcError as exc:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE, f"cannot confirm the run state with the coordinator: {exc.code().name}"
+                ) from exc
+            run_state = self.known.last_state
+            if run_state not in FINAL_STATES:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"Finalize ends the run, but the coordinator reports it {coordinator_pb2.RunState.Name(run_state)}",
+                )
+            self.state.merge_all()
+            _, loss, acc = self.evaluator.run_once()
+            self.state.checkpoint()
+            self._final = outer_pb2.FinalizeResponse(status=self.status(), final_eval_loss=loss, final_eval_accuracy=acc)
+            self.finalized.set()
+            self.metrics.event("finalize", version=self.state.version, eval_loss=loss, eval_accuracy=acc)
+            return self._final
 
     # ------------------------------------------------------------------ loops
     def _merge_loop(self) -> None:
@@ -312,6 +363,16 @@ class OuterService:
                     self.stop_event.set()
                     return
                 self.timing.observe_merge(time.monotonic() - t0)
+
+    def _checkpoint_loop(self) -> None:
+        """Retry a failed checkpoint (disk full) while no merge comes to retry it."""
+        checkpoints = getattr(self.state, "checkpoints", None)  # None: no run dir, no checkpoints
+        while checkpoints is not None and not self.stop_event.wait(CHECKPOINT_RETRY_S):
+            if checkpoints.last_error is not None:
+                try:
+                    self.state.checkpoint()  # storage errors are handled inside; this is for bugs
+                except Exception:
+                    log.exception("checkpoint retry failed")
 
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s

@@ -1,0 +1,79 @@
+"""Per-learner download views are bounded: PullGlobal serves only learner ids the
+coordinator registered (PERMISSION_DENIED otherwise, before any copy is kept), and the
+views themselves are an LRU bounded by the planned learners plus a margin."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import numpy as np
+
+from outer_helpers import Remote, register
+
+from ddiloco.outer.downloads import DownloadViews
+from ddiloco.v1 import outer_pb2
+
+
+def _arrays(seed: int):
+    rng = np.random.default_rng(seed)
+    return [("w", rng.normal(size=(64, 64)).astype(np.float32)), ("b", rng.normal(size=64).astype(np.float32))]
+
+
+def test_views_stay_bounded_over_1500_random_learner_ids():
+    views = DownloadViews("int8", 64, max_learners=10)
+    rng = random.Random(0)
+    for i in range(1500):
+        views.encode_for(rng.randrange(-(2**31), 2**31), 0, -1, i, _arrays(i))
+        assert len(views) <= 10
+    assert views.evicted == 1500 - 10
+
+
+def test_an_evicted_learner_gets_the_full_fragment_and_recent_ones_keep_their_view():
+    views = DownloadViews("int8", 64, max_learners=2)
+    _, base = views.encode_for(1, 0, -1, 1, _arrays(1))
+    assert base == -1  # first pull: full fp32
+    _, base = views.encode_for(1, 0, 1, 2, _arrays(2))
+    assert base == 1  # a delta from the copy it holds
+    views.encode_for(2, 0, -1, 2, _arrays(2))
+    views.encode_for(1, 0, 2, 3, _arrays(3))  # learner 1 is now the most recent
+    views.encode_for(3, 0, -1, 3, _arrays(3))  # evicts learner 2, the least recent
+    _, base = views.encode_for(1, 0, 3, 4, _arrays(4))
+    assert base == 3, "the most recently used view was evicted"
+    _, base = views.encode_for(2, 0, 2, 4, _arrays(4))
+    assert base == -1, "an evicted learner must get the full fragment"
+
+
+def _rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_pulls_for_unregistered_ids_are_refused_and_keep_no_copy(cluster_factory):
+    cluster = cluster_factory()
+    outer = next(p for p in cluster.procs if p.name == "outer")
+    (lid,) = register(cluster.coordinator_address, 1)
+    learner = Remote(cluster.outer_address, "", lid)
+    before = learner.global_state()
+    stub = learner.stub
+    rss0 = _rss_kib(outer.popen.pid)
+    rng = random.Random(1)
+    codes = set()
+    for _ in range(1500):
+        other = rng.randrange(-(2**31), 2**31)
+        if other == lid:
+            continue
+        try:
+            for _ in stub.PullGlobal(outer_pb2.PullGlobalRequest(learner_id=other, fragment=0, have_version=-1), timeout=10):
+                pass
+            codes.add(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.add(exc.code())
+            assert "not registered" in exc.details()
+    assert codes == {grpc.StatusCode.PERMISSION_DENIED}
+    # a tiny model's full copy is ~0.4 MB: 1,500 kept copies would be ~600 MB
+    grown_mib = (_rss_kib(outer.popen.pid) - rss0) / 1024
+    assert grown_mib < 64, f"resident memory grew {grown_mib:.0f} MiB over 1,500 refused pulls"
+    assert learner.global_state() == before
