@@ -14,7 +14,7 @@ from ddiloco.common import codec
 from ddiloco.common.rpc import channel
 from ddiloco.common.transport import OuterClient
 from ddiloco.common.wire import payload_info, stream_messages
-from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 # the fixture's run: M=2, H=5, batch 4, context 64 -> one round is 2560 tokens
 ROUND = 2 * 5 * 4 * 64
@@ -31,8 +31,9 @@ def system(tmp_path_factory):
     cluster.start_outer()
     wait_until(cluster.registered_outer, 120, "outer registration")
     wait_serving(cluster.outer_address)
-    coord = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
-    ids = [coord.Register(coordinator_pb2.RegisterRequest(address="test", requested_learner_id=-1), timeout=5).learner_id for _ in range(2)]
+    from outer_helpers import register
+
+    ids = register(cluster.coordinator_address, 2)  # a valid registration: token and model signature
     yield cluster, ids
     cluster.stop_all()
 
@@ -240,3 +241,16 @@ def test_a_sequence_number_far_ahead_is_refused(probe):
     """Accepting it would make the learner's own next deltas look like repeats."""
     header, payload = _claim(probe, seq=probe.seq + 10**6)
     refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "jumps more than")
+
+
+def test_pull_for_an_unregistered_learner_is_refused(probe):
+    """A download view holds a full copy of a fragment: none for ids the run does not have."""
+    request = outer_pb2.PullGlobalRequest(run_id="good-run", learner_id=12345, fragment=0, have_version=-1)
+    refused(probe, lambda: list(probe.stub.PullGlobal(request, timeout=10)), grpc.StatusCode.PERMISSION_DENIED, "not registered")
+
+
+def test_finalize_while_the_run_is_running_is_refused(probe):
+    refused(
+        probe, lambda: probe.stub.Finalize(outer_pb2.FinalizeRequest(), timeout=30), grpc.StatusCode.FAILED_PRECONDITION,
+        "RUN_STATE_RUNNING",
+    )

@@ -49,7 +49,7 @@ from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
-from ddiloco.learner.supervision import Supervisor
+from ddiloco.learner.supervision import LearnerFailure, Supervisor
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 
@@ -115,6 +115,11 @@ class Learner:
             # lease on a loaded machine, and a learner starting up is not a dead one
             self.heartbeat_thread = self.supervisor.spawn("heartbeat", self._heartbeat_loop, self.stop_event)
             self._setup()
+        except LearnerFailure as exc:  # e.g. the start-up download kept arriving corrupt
+            self.supervisor.fail("setup", str(exc))
+            self.stop_event.set()
+            self.server.stop()
+            return self.supervisor.exit_code()
         except InterruptedError:
             self.stop_event.set()
             self.server.stop()
