@@ -94,3 +94,14 @@ def test_a_learner_whose_id_is_used_by_another_process_exits_non_zero_and_acknow
     assert fake.accepted == []
     assert _events(cluster, "learner_left")[-1]["reason"].startswith("failed: uploader: upload seq 1")
     np.testing.assert_equal(len(_events(cluster, "learner_failed")), 1)
+
+
+def test_a_learner_whose_first_download_keeps_arriving_corrupt_exits_non_zero_with_the_cause(run):
+    cluster, fake = run
+    fake.pull_default = CORRUPT
+
+    code, log = _learner_exit(cluster)
+
+    assert code == 1, log[-3000:]
+    assert "learner failing (setup): download of fragment 0 failed 6 times in a row" in log
+    assert "Traceback" not in log
