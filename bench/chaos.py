@@ -11,10 +11,26 @@ Rows (M learners or ranks, budget T seconds, the same model, data and batch ever
     dp            data-parallel, no faults (the measured run the model starts from)
 
 The schedule (full run): a learner killed (SIGKILL) every 60 s and started again 20 s later,
-and the outer optimizer killed once (at T/2) and started again 5 s later. The ddiloco and
-diloco-sync rows are real runs with those faults injected by ``ddiloco.chaos``; goodput,
-waste, ``acked_deltas_lost`` and ``deltas_applied_twice`` come from the runs' own event logs
-(``ddiloco.chaos.goodput`` and ``ddiloco.chaos.audit``).
+and the outer optimizer killed twice, each time started again 5 s later, at moments chosen
+for what they put at risk (issue 10):
+
+- *backlog kill* (from T/2): the outer optimizer is frozen (SIGSTOP) for ``backlog_freeze_s``
+  so that the learners' windows pile up, thawed, and killed as soon as its status shows at
+  least one round of deltas (M) acknowledged but not merged yet (or after 10 s of trying);
+  ``journal_replay`` on restart shows how many it had to recover;
+- *checkpoint kill* (from 0.7 T): killed the moment a checkpoint is being written (its
+  temporary folder exists; the state dir is polled every half millisecond); the restarted
+  outer's ``temporaries_removed`` event confirms the kill landed mid-write.
+
+For each: the eval loss just before the kill, the worst after it, and the seconds until an
+evaluation is below the pre-kill loss again (``targeted_faults`` in each chaos row). The
+ddiloco and diloco-sync rows are real runs with those faults injected by ``ddiloco.chaos``;
+goodput, waste, ``acked_deltas_lost`` and ``deltas_applied_twice`` come from the runs' own
+event logs (``ddiloco.chaos.goodput`` and ``ddiloco.chaos.audit``).
+
+Issue 17 item 6: every row also gives ``time_to_sync_final_s``, the wall-clock seconds from
+the start of training (the schedule's clock) at which its eval loss first reaches
+diloco-sync's final loss under the schedule (None: never; the modelled DP row has no curve).
 
 DP is modelled, not run under faults: the data-parallel baseline has no checkpoint/restart,
 and a synchronous job that loses a rank stops as a whole. The model is the standard one, with
@@ -28,6 +44,9 @@ at the step the productive time reaches (interpolated between its evaluations).
     python bench/chaos.py            # full: M=8, T=300 s, tiny model; ~30 minutes on 2 cores
     python bench/chaos.py --quick    # smoke test: M=2, T=30 s, faults every 10 s; ~4 minutes
 
+It refuses to run with uncommitted changes in services/ or bench/ unless ``--allow-dirty``
+(``--quick`` allows them), and records the git state and the load average at start and end.
+
 Writes ``bench/results/chaos.json`` (``chaos-quick.json`` with --quick) and prints a
 markdown table.
 """
@@ -36,13 +55,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT / "services") not in sys.path:  # runs from a plain checkout too
@@ -52,6 +74,9 @@ from ddiloco.chaos.audit import audit_run  # noqa: E402
 from ddiloco.chaos.faults import Fault, Schedule, periodic  # noqa: E402
 from ddiloco.common.config import MODEL_PRESETS  # noqa: E402
 from ddiloco.common.metrics import read_events  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+import common_bench as cb  # noqa: E402
 
 TARGETS = {"goodput": 0.88, "loss_gap": 0.02}
 
@@ -69,6 +94,9 @@ class Settings:
     batch_size: int
     dp_checkpoint_s: float
     device: str
+    backlog_freeze_s: float = 6.0  # outer frozen this long before the backlog kill
+    checkpoint_kill_at: float = -1.0  # < 0: 0.7 x seconds
+    checkpoint_window_s: float = 40.0  # how long to watch for a checkpoint being written
 
     def run_flags(self) -> list[str]:
         return [
@@ -77,16 +105,38 @@ class Settings:
         ]
 
     def schedule(self) -> Schedule:
+        """The timed faults: the learner kills (the outer kills are targeted, see ``targeted``)."""
         faults = periodic("kill", "learner", self.kill_every, self.restart_after, self.seconds)
-        faults.append(Fault(self.outer_kill_at, "kill", "outer", self.outer_restart_after))
         return Schedule(faults, seed=0)
+
+    def targeted(self) -> list["TargetedFault"]:
+        ckpt_at = self.checkpoint_kill_at if self.checkpoint_kill_at >= 0 else 0.7 * self.seconds
+        return [
+            TargetedFault("outer-backlog", self.outer_kill_at, self.outer_restart_after, freeze_s=self.backlog_freeze_s),
+            TargetedFault("outer-checkpoint", ckpt_at, self.outer_restart_after, window_s=self.checkpoint_window_s),
+        ]
 
     def describe_faults(self) -> str:
         n = len(periodic("kill", "learner", self.kill_every, self.restart_after, self.seconds))
+        t = self.targeted()
         return (
             f"learner SIGKILL every {self.kill_every:g}s, restarted {self.restart_after:g}s later (x{n}); "
-            f"outer SIGKILL at {self.outer_kill_at:g}s, restarted {self.outer_restart_after:g}s later (x1)"
+            f"outer SIGKILL with >= 1 round of deltas pending from {t[0].at_s:g}s (after a {t[0].freeze_s:g}s freeze) "
+            f"and outer SIGKILL during a checkpoint write from {t[1].at_s:g}s, each restarted "
+            f"{self.outer_restart_after:g}s later"
         )
+
+
+@dataclass
+class TargetedFault:
+    """An outer-optimizer kill at a moment chosen by the state of the run, not the clock alone."""
+
+    kind: str  # outer-backlog | outer-checkpoint
+    at_s: float  # earliest moment, on the schedule's clock
+    restart_after: float
+    freeze_s: float = 0.0
+    window_s: float = 0.0
+    record: dict = field(default_factory=dict)
 
 
 def git_rev() -> str:
@@ -98,18 +148,241 @@ def git_rev() -> str:
         return "unknown"
 
 
+# ---------------------------------------------------------------------------------- targeted faults
+def run_with_targeted(options, schedule: Schedule, targeted: list[TargetedFault]):
+    """``ddiloco.chaos.run.run_with_chaos``, plus a thread that injects ``targeted`` through
+    the same chaos controller (so they are logged, restarted and accounted like the rest)."""
+    from ddiloco.chaos.controller import ChaosController
+    from ddiloco.chaos.local import LocalBackend
+    from ddiloco.chaos.run import ChaosResult, _supervise
+    from ddiloco.common.metrics import MetricsLog
+    from ddiloco.launcher.processes import Cluster
+    from ddiloco.launcher.topology import make_topology
+
+    options.out.mkdir(parents=True, exist_ok=True)
+    topology = make_topology(options.topology, options.learners, options.out)
+    notes: list[str] = []
+    failures: dict[str, int] = {}
+    stop = threading.Event()
+    with topology:
+        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
+        backend = LocalBackend(cluster, None)
+        controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
+        trigger = threading.Thread(target=_targeted_loop, args=(controller, backend, cluster, options, targeted, stop),
+                                   name="targeted-faults", daemon=True)
+        try:
+            topology.start(options.out)
+            cluster.start_coordinator(options.run_flags)
+            cluster.start_outer()
+            for i in range(options.learners):
+                cluster.start_learner(i, ["--device", options.device, "--learner-id", str(i)])
+            controller.start()
+            trigger.start()
+            failures = _supervise(cluster, backend, options, notes)
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping services", file=sys.stderr)
+        finally:
+            stop.set()
+            if trigger.is_alive():
+                trigger.join(timeout=30)
+            controller.stop(undo=True)
+            if not failures:
+                cluster.wait_all(timeout=60)
+            cluster.stop_all()
+        report_path = options.out / "report.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        topology.finish(options.out, report)
+    failures.update({p.name: p.returncode() for p in cluster.failed() if p.name not in failures})
+    return ChaosResult(report, failures, options.out, controller.injected, controller.errors, notes)
+
+
+def _outer_pending(address: str) -> int | None:
+    from ddiloco.common.rpc import channel
+    from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+    if not address:
+        return None
+    try:
+        with channel(address) as ch:
+            return int(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=1).pending_deltas)
+    except Exception:  # noqa: BLE001 - the outer may be frozen or restarting: no reading
+        return None
+
+
+def _checkpoint_tmp(out: pathlib.Path) -> bool:
+    try:
+        with os.scandir(out / "outer" / "checkpoints") as it:
+            return any(e.name.startswith(".") and e.name.endswith(".tmp") for e in it)
+    except OSError:
+        return False
+
+
+def _wait_checkpoint_start(out: pathlib.Path, window_s: float, stop: threading.Event) -> bool:
+    """Block until a checkpoint's temporary folder appears (True) or ``window_s`` passes.
+
+    A tiny model's checkpoint is written in about a millisecond, too short to catch by
+    polling: inotify (Linux, through ctypes) wakes this thread as the folder is created.
+    Elsewhere, or when inotify is unavailable, it polls every half millisecond."""
+    import ctypes
+    import select
+    import struct
+
+    folder = out / "outer" / "checkpoints"
+    deadline = time.monotonic() + window_s
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init1(os.O_NONBLOCK)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+    except (OSError, AttributeError):
+        fd = -1
+    if fd < 0:
+        while time.monotonic() < deadline and not stop.is_set():
+            if _checkpoint_tmp(out):
+                return True
+            time.sleep(0.0005)
+        return False
+    try:
+        IN_CREATE, IN_MOVED_TO = 0x100, 0x80
+        if libc.inotify_add_watch(fd, str(folder).encode(), IN_CREATE | IN_MOVED_TO) < 0:
+            os.close(fd)
+            fd = -1
+            return _wait_checkpoint_start_polling(out, deadline, stop)
+        while time.monotonic() < deadline and not stop.is_set():
+            ready, _, _ = select.select([fd], [], [], min(0.2, max(0.0, deadline - time.monotonic())))
+            if not ready:
+                continue
+            try:
+                buf = os.read(fd, 64 * 1024)
+            except BlockingIOError:
+                continue
+            i = 0
+            while i + 16 <= len(buf):
+                _, _, _, length = struct.unpack_from("iIII", buf, i)
+                name = buf[i + 16:i + 16 + length].rstrip(b"\0").decode(errors="replace")
+                i += 16 + length
+                if name.startswith(".") and name.endswith(".tmp"):
+                    return True
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _wait_checkpoint_start_polling(out: pathlib.Path, deadline: float, stop: threading.Event) -> bool:
+    while time.monotonic() < deadline and not stop.is_set():
+        if _checkpoint_tmp(out):
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def _targeted_loop(controller, backend, cluster, options, faults: list[TargetedFault], stop: threading.Event) -> None:
+    """Inject each targeted fault once its moment comes and its condition holds."""
+    while controller.t0 is None:
+        if stop.wait(0.25):
+            return
+    for f in sorted(faults, key=lambda x: x.at_s):
+        rec = f.record
+        rec.update({"kind": f.kind, "planned_at_s": f.at_s})
+        if stop.wait(max(0.0, f.at_s - controller.now())):
+            rec["skipped"] = "run ended first"
+            return
+        try:
+            if backend.run_over():
+                rec["skipped"] = "run was draining"
+                continue
+            if f.kind == "outer-backlog":
+                address = cluster.registered_outer()
+                fid = controller.inject("freeze", "outer")
+                stop.wait(f.freeze_s)
+                controller.recover(fid)
+                deadline, best = time.monotonic() + 10.0, -1
+                while time.monotonic() < deadline and not stop.is_set():
+                    pending = _outer_pending(address)
+                    if pending is not None:
+                        best = max(best, pending)
+                        if pending >= options.learners:
+                            break
+                    time.sleep(0.01)  # polling the outer's status
+                rec["pending_seen_before_kill"] = best
+                rec["backlog_condition_met"] = best >= options.learners
+            else:
+                pgid = backend.pid("outer")
+                caught = _wait_checkpoint_start(options.out, f.window_s, stop)
+                if caught:
+                    # stopped at once, mid-write; the kill below (logged like every fault) follows
+                    try:
+                        os.killpg(pgid, signal.SIGSTOP)
+                    except ProcessLookupError:
+                        pass
+                rec["checkpoint_tmp_seen"] = caught
+            if stop.is_set():
+                rec["skipped"] = "run ended first"
+                return
+            kid = controller.inject("kill", "outer")
+            rec["kill_wall_t"] = round(time.time(), 3)
+            rec["kill_at_s"] = round(controller.now(), 3)
+            stop.wait(f.restart_after)
+            controller.recover(kid)  # restarted even when the run ended meanwhile: it must finalize
+        except Exception as exc:  # noqa: BLE001 - a fault that could not be placed is reported, never fatal
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def targeted_outcomes(faults: list[TargetedFault], events: list[dict], learners: int) -> list[dict]:
+    """Per targeted fault: eval loss just before the kill, the worst after it, seconds until an
+    evaluation is below the pre-kill loss again, and the evidence of what the kill hit."""
+    evals = [(e["t"], float(e["eval_loss"])) for e in events if e["event"] == "eval" and "t" in e]
+    kills = sorted(f.record["kill_wall_t"] for f in faults if f.record.get("kill_wall_t") is not None)
+    out = []
+    for f in faults:
+        rec = dict(f.record)
+        t_kill = rec.get("kill_wall_t")
+        if t_kill is not None:
+            # what the restart shows belongs to this kill only until the next one
+            t_next = next((t for t in kills if t > t_kill), float("inf"))
+            before = [l for t, l in evals if t < t_kill]
+            after = [(t, l) for t, l in evals if t > t_kill]
+            pre = before[-1] if before else None
+            back = next((t for t, l in after if pre is not None and l < pre), None)
+            window = [l for t, l in after if back is None or t <= back]
+            rec["eval_loss_before"] = pre
+            rec["eval_loss_worst_after"] = max(window) if window else None
+            rec["seconds_to_below_pre_kill"] = round(back - t_kill, 2) if back is not None else None
+            replay = next((e for e in events if e["event"] == "journal_replay" and t_kill < e.get("t", 0) < t_next), None)
+            torn = next((e for e in events if e["event"] == "temporaries_removed" and t_kill < e.get("t", 0) < t_next), None)
+            rec["journal_replayed_deltas"] = replay.get("deltas") if replay else 0
+            rec["backlog_of_a_round_recovered"] = bool(replay) and replay.get("deltas", 0) >= learners
+            rec["torn_checkpoint_removed"] = bool(torn)
+        out.append(rec)
+    return out
+
+
+def time_to_loss(events: list[dict], level: float) -> float | None:
+    """Seconds from the start of training (the chaos schedule's clock, else the first learner
+    or dp rank start) to the first evaluation at or below ``level``."""
+    starts = [e["t"] for e in events if e["event"] == "chaos_start"] or \
+        [e["t"] for e in events if e["event"] in ("learner_start", "dp_start")]
+    if not starts:
+        return None
+    t0 = min(starts)
+    hit = cb.first_below([(e["t"] - t0, float(e["eval_loss"])) for e in events if e["event"] == "eval" and "t" in e], level)
+    return None if hit is None else round(max(0.0, hit), 2)
+
+
 # ---------------------------------------------------------------------------------- ddiloco
 def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict:
-    from ddiloco.chaos.run import run_with_chaos
     from ddiloco.launcher.run import LaunchOptions
 
     flags = s.run_flags() + (["--sync", "--quorum", str(s.learners)] if sync else [])
     schedule = s.schedule() if chaos else Schedule([])
+    targeted = s.targeted() if chaos else []
     t0 = time.monotonic()
-    result = run_with_chaos(
+    result = run_with_targeted(
         LaunchOptions(out=out, run_flags=flags, learners=s.learners, device=s.device, progress=False,
                       timeout_s=s.seconds * 4 + 600),
         schedule,
+        targeted,
     )
     if result.report is None:
         raise RuntimeError(f"run in {out} produced no report; failures {result.failures}; see {out}/logs")
@@ -133,6 +406,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
         "versions_monotonic": audit["versions_monotonic"],
         "faults_injected": len(injected),
         "resume": resume_stats(events, s.inner_steps, s.batch_size * MODEL_PRESETS[s.model].context),
+        "targeted_faults": targeted_outcomes(targeted, events, s.learners),
         "loss_curve": loss_curve(events),
         "fault_errors": result.fault_errors,
         "failures": result.failures,
@@ -282,14 +556,36 @@ def fmt(x, spec=".3f") -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| method | faults | goodput | final eval loss | acked deltas lost | deltas applied twice |")
-    print("|---|---|---|---|---|---|")
+    print("\n| method | faults | goodput | final eval loss | acked deltas lost | deltas applied twice | "
+          "s to diloco-sync's final loss |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         faults = "none" if r["faults"] == "none" else ("schedule, modelled" if r.get("modelled") else "schedule")
+        reach = r.get("time_to_sync_final_s")
+        reach_s = "n/a (modelled)" if r.get("modelled") else ("never" if reach is None else f"{reach:.0f}")
         print(
             f"| {r['method']} | {faults} | {fmt(r['goodput'])} | {fmt(r['final_eval_loss'], '.4f')} | "
-            f"{fmt(r['acked_deltas_lost'])} | {fmt(r['deltas_applied_twice'])} |"
+            f"{fmt(r['acked_deltas_lost'])} | {fmt(r['deltas_applied_twice'])} | {reach_s} |"
         )
+
+
+def print_targeted(rows: list[dict]) -> None:
+    items = [(r["method"], t) for r in rows for t in r.get("targeted_faults") or []]
+    if not items:
+        return
+    print("\n| method | outer kill | at s | condition met | loss before | worst after | s to below pre-kill | "
+          "replayed deltas | torn checkpoint removed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for method, t in items:
+        cond = t.get("backlog_condition_met", t.get("checkpoint_tmp_seen"))
+        if t.get("skipped") or t.get("error"):
+            print(f"| {method} | {t['kind']} | - | {t.get('skipped') or t.get('error')} | | | | | |")
+            continue
+        back = t.get("seconds_to_below_pre_kill")
+        print(f"| {method} | {t['kind']} | {fmt(t.get('kill_at_s'), '.1f')} | {fmt(cond)} | "
+              f"{fmt(t.get('eval_loss_before'), '.4f')} | {fmt(t.get('eval_loss_worst_after'), '.4f')} | "
+              f"{'never' if back is None else f'{back:.1f}'} | {fmt(t.get('journal_replayed_deltas'))} | "
+              f"{fmt(t.get('torn_checkpoint_removed'))} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,10 +597,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp-checkpoint-s", type=float, default=30.0, help="DP model: seconds between its (free) checkpoints")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="run folders (default: /tmp/ddiloco-bench-chaos-<time>)")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = ap.parse_args(argv)
     if args.quick:
-        s = Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=15, outer_restart_after=2,
-                     model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=args.device)
+        s = Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=12, outer_restart_after=2,
+                     model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=args.device,
+                     backlog_freeze_s=2.0, checkpoint_kill_at=19, checkpoint_window_s=8.0)
     else:
         s = Settings(learners=8, seconds=300, kill_every=60, restart_after=20, outer_kill_at=150, outer_restart_after=5,
                      model="tiny", inner_steps=20, batch_size=8, dp_checkpoint_s=args.dp_checkpoint_s, device=args.device)
@@ -313,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seconds:
         s.seconds = args.seconds
         s.outer_kill_at = s.seconds / 2
+        s.checkpoint_kill_at = -1.0  # 0.7 x seconds
+    prov = cb.start_provenance(args.allow_dirty or args.quick, "chaos")
     out = args.out or pathlib.Path(f"/tmp/ddiloco-bench-chaos-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     print(f"chaos bench: M={s.learners}, T={s.seconds:g}s, model {s.model}; faults: {s.describe_faults()}", file=sys.stderr)
@@ -332,7 +632,18 @@ def main(argv: list[str] | None = None) -> int:
     # different amounts of compute from run to run
     equal = min(clean["tokens_merged"], chaos_row["tokens_merged"])
     gap_tokens = loss_at_tokens(chaos_row["loss_curve"], equal) / loss_at_tokens(clean["loss_curve"], equal) - 1
+    # issue 17 item 6: when each method first reaches diloco-sync's final loss under the schedule
+    sync_row = rows[2]
+    level = sync_row["final_eval_loss"]
+    for r in rows:
+        r["time_to_sync_final_s"] = None if r.get("modelled") else time_to_loss(read_events(pathlib.Path(r["run_dir"]) / "metrics.jsonl"), level)
+    reach_dd, reach_sync = chaos_row["time_to_sync_final_s"], sync_row["time_to_sync_final_s"]
     checks = {
+        "sync_final_loss_under_chaos": level,
+        "ddiloco_reaches_sync_final_first": reach_dd is not None and (reach_sync is None or reach_dd < reach_sync),
+        "ddiloco_seconds_to_sync_final": reach_dd,
+        "sync_seconds_to_sync_final": reach_sync,
+        "ddiloco_final_le_sync_final_under_chaos": chaos_row["final_eval_loss"] <= level,
         "ddiloco_goodput_under_chaos": chaos_row["goodput"],
         "goodput_target": TARGETS["goodput"],
         "goodput_met": chaos_row["goodput"] is not None and chaos_row["goodput"] >= TARGETS["goodput"],
@@ -350,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         "git_rev": git_rev(),
         "host": f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'})",
         "settings": vars(s),
+        "provenance": cb.finish_provenance(prov),
         "checks": checks,
         "rows": rows,
         "argv": shlex.join(sys.argv),
@@ -358,9 +670,13 @@ def main(argv: list[str] | None = None) -> int:
     path = args.results_dir / ("chaos-quick.json" if args.quick else "chaos.json")
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print_table(rows)
+    print_targeted(rows)
     print(f"\nddiloco under chaos: goodput {fmt(chaos_row['goodput'])} (target >= {TARGETS['goodput']}), "
           f"final loss {gap:+.2%} vs fault-free (target <= +{TARGETS['loss_gap']:.0%}); "
           f"at equal tokens merged ({equal:,}): {gap_tokens:+.2%}")
+    print(f"diloco-sync's final loss under chaos {level:.4f}: ddiloco reaches it at "
+          f"{'never' if reach_dd is None else f'{reach_dd:.0f}s'}, diloco-sync at "
+          f"{'never' if reach_sync is None else f'{reach_sync:.0f}s'}")
     print(f"results: {path}")
     return 0
 

@@ -40,7 +40,7 @@ def quick_run(tmp_path_factory):
 def test_quick_bench_writes_every_row(quick_run):
     proc, tmp = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| method | faults | goodput |" in proc.stdout
+    assert "| method | faults | goodput |" in proc.stdout and "| method | outer kill |" in proc.stdout
     doc = json.loads((tmp / "results" / "chaos-quick.json").read_text())
     assert doc["command"] == "python bench/chaos.py --quick" and doc["git_rev"]
     rows = doc["rows"]
@@ -51,6 +51,20 @@ def test_quick_bench_writes_every_row(quick_run):
         assert ROW_KEYS <= set(r)
         assert 0.0 <= r["goodput"] <= 1.0
         assert r["final_eval_loss"] > 0
+        assert "time_to_sync_final_s" in r  # issue 17 item 6's column
+    assert rows[2]["time_to_sync_final_s"] is not None  # diloco-sync reaches its own final loss
+    assert rows[3]["time_to_sync_final_s"] is None  # the modelled DP row has no curve
+    for r in rows[1:3]:  # the targeted outer-optimizer kills (issue 10), in both runs under the schedule
+        assert [t["kind"] for t in r["targeted_faults"]] == ["outer-backlog", "outer-checkpoint"]
+        for t in r["targeted_faults"]:
+            if "kill_at_s" in t:
+                assert t["eval_loss_before"] is None or t["eval_loss_before"] > 0
+                assert {"eval_loss_worst_after", "seconds_to_below_pre_kill", "journal_replayed_deltas",
+                        "torn_checkpoint_removed"} <= set(t)
+    assert rows[0]["targeted_faults"] == []
+    assert {"ddiloco_reaches_sync_final_first", "ddiloco_final_le_sync_final_under_chaos"} <= set(doc["checks"])
+    prov = doc["provenance"]
+    assert len(prov["load_average_start"]) == 3 and len(prov["load_average_end"]) == 3 and len(prov["git_rev"]) == 40
 
 
 def test_faults_cost_nothing_acknowledged(quick_run):
