@@ -163,8 +163,9 @@ class Learner:
         it builds from the run's configuration (see ddiloco.coordinator.membership for the
         incarnation rule). ALREADY_EXISTS means the id's previous holder still has a live
         lease (this learner was restarted under the same id): wait for it to expire, for at
-        most two leases. A first registration that is refused (another model, another run,
-        a run that is over) ends the process with the coordinator's message, no traceback."""
+        most three leases and 5 s (a live duplicate is then refused for good). A first
+        registration that is refused (another model, another run, a run that is over) ends
+        the process with the coordinator's message, no traceback."""
         import secrets
 
         from ddiloco.coordinator.signature import model_signature
@@ -189,7 +190,7 @@ class Learner:
                 code = exc.code()
                 if code == grpc.StatusCode.ALREADY_EXISTS:
                     if lease_wait_until is None:
-                        lease_wait_until = time.monotonic() + 2 * run_config.lease_timeout_s + 1
+                        lease_wait_until = time.monotonic() + 3 * run_config.lease_timeout_s + 5
                         log.info("waiting for the previous lease of this id to expire: %s", exc.details())
                     if time.monotonic() < lease_wait_until:
                         if self.drain.wait(min(1.0, run_config.lease_timeout_s / 5)):
