@@ -77,6 +77,7 @@ def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path):
         again = cluster.start_outer()
         assert again.popen.wait(120) != 0
         log = again.log_path.read_text()
-        assert "JournalCorrupt" in log and str(entry) in log
+        assert "cannot start" in log and str(entry) in log
+        assert "Traceback" not in log, "a damaged journal is a precise one-line error, not a traceback"
     finally:
         cluster.stop_all(grace=10)

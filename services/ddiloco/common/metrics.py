@@ -7,15 +7,20 @@ share ``metrics.jsonl`` without interleaving lines.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import threading
 import time
 
+log = logging.getLogger(__name__)
+
 
 class MetricsLog:
     def __init__(self, path: pathlib.Path | None, source: str) -> None:
         self.source = source
+        self.path = path
+        self.dropped = 0  # events lost to a failing disk
         self._fd = None
         self._lock = threading.Lock()
         if path is not None:
@@ -28,7 +33,14 @@ class MetricsLog:
         record = {"t": round(time.time(), 3), "source": self.source, "event": kind, **fields}
         line = (json.dumps(record, sort_keys=True) + "\n").encode()
         with self._lock:
-            os.write(self._fd, line)
+            try:
+                os.write(self._fd, line)
+            except OSError as exc:
+                # the event log is for people and benches, never a reason to fail a merge or
+                # a push (a full disk is reported where it matters: journal and checkpoints)
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("metrics log %s: %s; events are being dropped", self.path, exc)
 
     def close(self) -> None:
         if self._fd is not None:

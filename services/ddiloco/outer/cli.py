@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
 
@@ -37,9 +38,16 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: svc.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop_event.set())
+    from ddiloco.outer.checkpoint import CheckpointError
+    from ddiloco.outer.journal import JournalCorrupt
+
     try:
         svc.start()
     except InterruptedError:
         return 0  # stopped by a signal before the coordinator answered
+    except (CheckpointError, JournalCorrupt) as exc:
+        # state on disk that cannot be trusted: say which file and stop, no traceback
+        print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)
+        return 1
     svc.wait()
     return 0

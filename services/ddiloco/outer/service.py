@@ -357,6 +357,13 @@ class OuterService:
                 t0 = time.monotonic()
                 try:
                     state.merge(fragment, force=True)
+                except StorageError as exc:
+                    # the merge record could not be written (disk full): nothing was applied,
+                    # the deltas stay pending and journaled; keep serving and try again
+                    log.warning("merge of fragment %d postponed: %s", fragment, exc)
+                    self.metrics.event("merge_postponed", fragment=fragment, reason=str(exc))
+                    self.stop_event.wait(1.0)
+                    break
                 except Exception:  # a merge bug must be loud, not a silent dead thread
                     log.exception("merge failed")
                     self.metrics.event("merge_error")

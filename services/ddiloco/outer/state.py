@@ -28,10 +28,7 @@ from __future__ import annotations
 import json
 import math
 import logging
-import os
 import pathlib
-import shutil
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,11 +36,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
 from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
-from ddiloco.common.durable import fsync_dir, write_bytes, write_json
+from ddiloco.common.durable import StorageError, write_json
 from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, is_embedding
@@ -336,7 +332,12 @@ class OuterState:
                 weights = merge.token_weights(infos)
                 fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
                 mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
-                self._journal_merge(frag, kept, dropped, weights, fraction, mean_staleness)  # durable before it is applied
+                try:
+                    self._journal_merge(frag, kept, dropped, weights, fraction, mean_staleness)  # durable before it is applied
+                except StorageError:
+                    # nothing applied: the deltas wait, acknowledged and journaled, for a retry
+                    frag.pending = batch + frag.pending
+                    raise
                 self._apply(
                     frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in kept], weights, fraction, mean_staleness
                 )
@@ -604,7 +605,8 @@ class OuterState:
         for path in sorted((self.state_dir / "merges").glob("*.json")):
             record = json.loads(path.read_text())
             if record["version"] <= self.version:
-                path.unlink(missing_ok=True)  # covered by the checkpoint
+                # covered by the checkpoint; kept until checkpoint.prune_covered drops it, since
+                # a fallback to the previous checkpoint would need it
                 continue
             if record["version"] != self.version + 1:
                 raise RuntimeError(f"merge journal skips from version {self.version} to {record['version']} ({path})")
