@@ -1,0 +1,108 @@
+"""bench/quality_scale.py --quick end to end (dp and ddiloco-int8 at M=2, one seed): the
+JSON's schema as issue 17 gives it, the PNG, sane numbers; and the targets' arithmetic
+(curve gap, fast learners' rate ratio) on rows whose answers are known."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROW_KEYS = {"method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
+            "staleness_mean", "wall_seconds", "curve"}
+
+
+def _load_bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("quality_scale_bench", ROOT / "bench" / "quality_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("quality-scale")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "quality_scale.py"), "--quick", "--methods", "dp,ddiloco-int8",
+         "--results-dir", str(tmp / "results"), "--runs-dir", str(tmp / "runs")],
+        capture_output=True, text=True, timeout=300,
+    )
+    return proc, tmp
+
+
+def test_quick_run_writes_the_issue_schema(quick_run):
+    proc, tmp = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| M | method |" in proc.stdout and "| M | target |" in proc.stdout
+    doc = json.loads((tmp / "results" / "quality_scale-quick.json").read_text())
+    assert set(doc) == {"config", "rows", "targets"}
+    cfg = doc["config"]
+    assert cfg["learners"] == [2] and cfg["seeds"] == [0] and cfg["git_rev"]
+    assert isinstance(cfg["dirty"], bool) and len(cfg["load_average_start"]) == 3 and len(cfg["load_average_end"]) == 3
+    rows = doc["rows"]
+    assert [(r["method"], r["learners"], r["seed"]) for r in rows] == [("dp", 2, 0), ("ddiloco-int8", 2, 0)]
+    for r in rows:
+        assert set(r) == ROW_KEYS | {"extra"}
+        assert r["tokens"] >= cfg["tokens"]
+        assert math.isfinite(r["final_eval_loss"]) and 0 < r["final_eval_loss"] < 2 * r["extra"]["initial_eval_loss"]
+        assert 0.0 <= r["final_eval_accuracy"] <= 1.0
+        assert len(r["curve"]) >= 2 and all(len(p) == 2 for p in r["curve"])
+        assert [p[0] for p in r["curve"]] == sorted(p[0] for p in r["curve"])
+    dp, dd = rows
+    # dp is deterministic and learns at any budget; whether ddiloco-int8 learned in a few
+    # dozen steps is the bench's finding ("no run diverged" target), not the smoke test's
+    assert dp["final_eval_loss"] < dp["extra"]["initial_eval_loss"]
+    assert dp["deltas_per_merge_mean"] is None and dp["staleness_mean"] is None
+    assert dd["deltas_per_merge_mean"] >= 1.0 and dd["staleness_mean"] >= 0.0
+    names = {t["target"] for t in doc["targets"]}
+    assert "diloco-sync vs dp (final)" in names and "no run diverged" in names
+    png = tmp / "results" / "quality_scale-quick.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(method, m, seed, loss, curve, learners=None):
+    return {"method": method, "learners": m, "seed": seed, "tokens": curve[-1][0], "final_eval_loss": loss,
+            "final_eval_accuracy": 0.5, "deltas_per_merge_mean": None, "staleness_mean": None, "wall_seconds": 1.0,
+            "curve": curve, "extra": {"initial_eval_loss": 5.5, "learners": learners or {}}}
+
+
+def test_targets_from_known_rows():
+    q = _load_bench()
+    fast = lambda rate, slow=False: {"tokens": 10, "tokens_per_s": rate, "slow": slow}  # noqa: E731
+    rows = [
+        _row("dp", 8, 0, 2.00, [[0, 5.0], [1000, 2.0]]),
+        _row("diloco-sync", 8, 0, 2.01, [[0, 5.0], [200, 3.0], [1000, 2.01]]),
+        # 5% above sync at 200 tokens (after the first 10%), equal at the end
+        _row("ddiloco-int8", 8, 0, 2.01, [[0, 5.0], [200, 3.15], [1000, 2.01]],
+             {"0": fast(10.0), "1": fast(10.0)}),
+        _row("ddiloco-int8-slow", 8, 0, 2.05, [[0, 5.0], [1000, 2.05]], {"0": fast(9.6), "1": fast(3.0, True)}),
+        _row("ddiloco-int4", 8, 0, 2.02, [[0, 5.0], [1000, 2.02]]),
+    ]
+    assert q.curve_gap_max(rows, 8, 1000) == pytest.approx(0.05)
+    assert q.curve_gap_max(rows, 8, 1000, skip=0.5) == pytest.approx(0.0, abs=1e-3)
+    assert q.fast_ratio(rows, 8) == pytest.approx(0.96)
+    by = {t["target"]: t for t in q.targets(rows, 1000)}
+    assert by["diloco-sync vs dp (final)"]["met"] is True  # +0.5%
+    assert by["ddiloco-int8 vs diloco-sync (final)"]["met"] is True
+    assert by["ddiloco-int8 vs diloco-sync (curve max after 10%)"]["met"] is False
+    assert by["ddiloco-int4 vs ddiloco-int8 (final)"]["met"] is True  # +0.498%
+    assert by["ddiloco-int8-slow vs ddiloco-int8 (final)"]["met"] is True  # +1.99%
+    assert by["fast learners' tokens/s, slow run / all-fast run"]["met"] is True
+    assert by["no run diverged"]["met"] is True
+
+
+def test_plan_runs_extras_only_at_their_m():
+    q = _load_bench()
+    args = q.parse_args(["--learners", "4,8", "--seeds", "0,1"])
+    plan = q.plan(args)
+    assert len(plan) == 2 * 3 + 2 * 5
+    assert {m for m, _, x in plan if x in q.EXTRA_METHODS} == {8}
+    assert plan[:3] == [(4, 0, "dp"), (4, 0, "diloco-sync"), (4, 0, "ddiloco-int8")]
