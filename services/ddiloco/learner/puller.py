@@ -24,6 +24,9 @@ never end silently, or the learner trains on a base that never moves again.
   keeps the learner's previous copy for exactly this);
 * a change based on another version than the learner's copy: the fragment is asked for in
   full, which repairs the copy whatever went wrong;
+* PERMISSION_DENIED (the coordinator does not list this learner, as after it restarted
+  without its state and before the heartbeat registered again): polled again for up to
+  ``DENIED_GRACE_S``, then ``LearnerFailure``;
 * ``max_failures`` of those in a row are no longer transient: ``LearnerFailure``. So is any
   other status (the run or fragment is not what this learner believes), and anything
   unexpected reaches the supervisor as it is.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +53,9 @@ log = logging.getLogger(__name__)
 
 CATCH_UP_ROUNDS = 2.0
 MAX_FAILURES = 6  # consecutive non-transient failures; with the backoff, about 6 s of trying
+# a coordinator that restarted without its state lists a learner again once its next
+# heartbeat is refused and it registers again: a few heartbeats, a lease at most; with room
+DENIED_GRACE_S = 60.0
 # Statuses of a download that one more download may not repeat: damaged in transit, or an
 # unexpected error on the server's side.
 SERVER_FAULTS = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
@@ -183,6 +190,7 @@ class Puller:
                 raise InterruptedError("pull: stopped while retrying")
 
     def _loop(self) -> None:
+        denied_since: float | None = None
         while not self.stop_event.wait(self.poll_s):
             try:
                 client = self.client_factory()
@@ -193,7 +201,19 @@ class Puller:
                     with self._lock:
                         self._incoming[fragment] = copy
                         self.arrived.set()
+                denied_since = None
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    # the outer optimizer does not find this learner at the coordinator: true
+                    # for a while after a coordinator restarted without its state, until the
+                    # heartbeat registers again; for longer than that, this learner is out
+                    now = time.monotonic()
+                    denied_since = denied_since if denied_since is not None else now
+                    if now - denied_since > DENIED_GRACE_S:
+                        raise LearnerFailure(
+                            f"pull refused for {DENIED_GRACE_S:.0f} s: {exc.code().name}: {exc.details()}"
+                        ) from exc
+                    continue
                 if exc.code() not in TRANSIENT:
                     raise LearnerFailure(f"pull refused: {exc.code().name}: {exc.details()}") from exc
                 log.debug("pull: %s; polling again", exc.code().name)  # the outer optimizer is away
