@@ -3,9 +3,9 @@
 
 * ``sync``: synchronous DiLoCo (every learner waits; the outer step sees all M deltas).
 * ``naive``: asynchronous, a full synchronous outer step per arrival (``--naive-merge``).
-* ``work-clock``: asynchronous, each merge scaled by the fraction of a round it stands for,
-  plain momentum (``--staleness-gain 0``).
-* ``ddiloco``: the default, the work clock plus staleness-compensated momentum.
+* ``staleness-gain-2``: asynchronous on the work clock, with staleness-compensated momentum
+  (``--staleness-gain 2``, the default before the exact work clock).
+* ``ddiloco``: the default: asynchronous on the exact work clock, plain momentum.
 
 Asynchronous runs depend on arrival order, so each is repeated; the table shows mean and
 spread. Usage: ``python bench/merge_ablation.py [--quick] [--tokens N] [--repeats R]``.
@@ -31,7 +31,7 @@ from ddiloco.launcher.run import LaunchOptions, launch  # noqa: E402
 VARIANTS = {
     "sync": ["--sync", "--quorum", "4"],
     "naive": ["--naive-merge"],
-    "work-clock": ["--staleness-gain", "0"],
+    "staleness-gain-2": ["--staleness-gain", "2"],
     "ddiloco": [],
 }
 

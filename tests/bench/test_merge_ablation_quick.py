@@ -18,6 +18,6 @@ def test_quick_ablation_writes_every_variant(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
-    assert {r["method"] for r in data["rows"]} == {"sync", "naive", "work-clock", "ddiloco"}
+    assert {r["method"] for r in data["rows"]} == {"sync", "naive", "staleness-gain-2", "ddiloco"}
     assert all(r["tokens"] > 0 for r in data["rows"])
     assert "| method |" in proc.stdout

@@ -88,9 +88,11 @@ class OuterConfig:
     # Off reproduces the naive recipe (a full synchronous outer step per arrival), which
     # diverges; kept only to measure that.
     work_clock: bool = True
-    # Momentum decays faster by this times the merged deltas' staleness, in rounds
-    # (see WorkClockNesterov.step); 0 turns the compensation off.
-    staleness_gain: float = 2.0
+    # Momentum memory shortens by this times the merged deltas' staleness, in rounds
+    # (see WorkClockNesterov.step). Off: with the exact work clock it does not shrink the
+    # step, it raises the weight of the newest stale direction, and cost +9% eval loss at
+    # M = 8 in bench/async_lab.py (docs/algorithm.md).
+    staleness_gain: float = 0.0
     # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
     # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
     # 0: H. Learners never wait for a merge: an early learner trains its next window

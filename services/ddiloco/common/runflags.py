@@ -26,7 +26,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--block-size", "learner.block_size", int, "quantization block size"),
     ("--outer-lr", "outer.lr", float, "outer SGD learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
-    ("--staleness-gain", "outer.staleness_gain", float, "momentum decays faster by this x staleness (0: off)"),
+    ("--staleness-gain", "outer.staleness_gain", float, "momentum memory shortens by this x staleness (default 0: off)"),
     ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges"),
     ("--fragments", "fragments", int, "P: parameter fragments, synced on staggered schedules"),
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),

@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""A deterministic laboratory for the asynchronous merge: M learners, one outer optimizer,
+virtual time, real torch training, in one process.
+
+Why it exists: on a 2-core machine a real run of 8 or 16 learner processes is dominated by
+CPU contention, so arrival order, grace windows and staleness change with the machine's
+load and two runs of the same code differ by more than the effects being studied. Here the
+clock is virtual: each learner's step takes a configured time (seeded jitter, optional slow
+learners), uploads, merges and downloads take configured latencies, and the training itself
+is real (the project's model, data shards, AdamW inner loop, codec with error feedback,
+fold rule, and the outer optimizer's own merge functions from ``ddiloco.common.merge``).
+The same configuration gives the same losses to the last bit, whatever else the machine
+does, so candidate rules can be compared one at a time.
+
+What it leaves out, on purpose: gRPC, the journal and checkpoints, fragments (P = 1), the
+uploader's coalescing (uploads here are faster than a window), leases and failures.
+
+    python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
+    python bench/async_lab.py --list-variants
+
+Writes one JSON object per variant to stdout (or ``--out FILE``): final eval loss, the curve,
+deltas per merge, staleness, effective step per round of work, momentum norm, and the cosine
+between each merged direction and the synchronous direction of the same round of work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "services"))
+
+from ddiloco.common import codec as codec_mod  # noqa: E402
+from ddiloco.common import merge  # noqa: E402
+from ddiloco.common.config import MODEL_PRESETS, RunConfig  # noqa: E402
+from ddiloco.common.data import ShardSampler, eval_windows, load_corpus  # noqa: E402
+from ddiloco.common.model import build_model, evaluate, is_embedding  # noqa: E402
+
+
+@dataclass
+class LabConfig:
+    learners: int = 8
+    inner_steps: int = 20
+    batch_size: int = 8
+    tokens: int = 2_000_000  # total learner work, all learners together
+    codec: str = "int8"
+    seed: int = 0
+    # the algorithm
+    sync: bool = False  # synchronous DiLoCo: every learner waits for the merge of its window
+    quorum: int = 1
+    grace_gamma: float = 0.5
+    overlap_steps: int = 0  # 0: H
+    staleness_gain: float = 0.0
+    max_staleness_rounds: float = 4.0
+    pull_rule: str = "own"  # own: pull when own delta merged (or 2 rounds behind); every: after every merge
+    # virtual timing (seconds)
+    step_s: float = 0.02
+    jitter: float = 0.1  # relative standard deviation of a step's time
+    # learners start this many windows apart at most (uniform): processes and sites do not
+    # start in lockstep, so windows end at different phases
+    start_spread: float = 1.0
+    slow: dict[int, float] = field(default_factory=dict)  # learner -> slowdown factor
+    upload_s: float = 0.02
+    merge_s: float = 0.005
+    download_s: float = 0.07  # status poll (0.1 s, half on average) + transfer
+    eval_every_tokens: int = 500_000
+    eval_windows: int = 256
+
+
+VARIANTS: dict[str, dict] = {
+    "sync": {"sync": True, "codec": "fp32"},
+    "ddiloco": {},
+    "fp32": {"codec": "fp32"},
+    "staleness-gain-2": {"staleness_gain": 2.0},
+    "grace-0": {"grace_gamma": 0.0},
+    "quorum-all": {"quorum": 10**6},
+    "pull-every": {"pull_rule": "every"},
+    "instant-wire": {"upload_s": 0.0, "merge_s": 0.0, "download_s": 0.0},
+}
+
+
+class Learner:
+    def __init__(self, i: int, cfg: RunConfig, lab: LabConfig, shard: np.ndarray, rng: np.random.Generator) -> None:
+        self.id = i
+        self.model = build_model(cfg.model, cfg.seed)
+        self.params = list(self.model.parameters())
+        self.names = [n for n, _ in self.model.named_parameters()]
+        lcfg = cfg.learner
+        self.opt = torch.optim.AdamW(self.params, lr=lcfg.lr, weight_decay=lcfg.weight_decay, betas=(0.9, 0.95))
+        self.sampler = ShardSampler(shard, cfg.model.context, lab.batch_size, seed=cfg.data.seed + i)
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.version = 0
+        self.tokens_at_copy = 0
+        self.merged_mine = 0
+        self.step = 0
+        self.window_steps = 0
+        self.incoming: tuple[int, int, list[torch.Tensor]] | None = None
+        self.ef = codec_mod.ErrorFeedback()
+        self.rng = rng
+        self.slow = lab.slow.get(i, 1.0)
+        self.waiting = False
+        self.lcfg = lcfg
+
+    def step_time(self, lab: LabConfig) -> float:
+        return lab.step_s * self.slow * max(0.2, 1.0 + lab.jitter * float(self.rng.standard_normal()))
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        if self.incoming is None:
+            return
+        version, tokens, g = self.incoming
+        self.incoming = None
+        if version <= self.version:
+            return
+        for p, a, gt in zip(self.params, self.anchor, g):
+            p.add_(gt - a)
+            a.copy_(gt)
+        self.version, self.tokens_at_copy = version, tokens
+
+    def train_step(self) -> None:
+        x, y = self.sampler.batch(self.step)
+        lr = self.lcfg.lr * min(1.0, (self.step + 1) / max(self.lcfg.warmup_steps, 1))
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.lcfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        self.window_steps += 1
+
+    @torch.no_grad()
+    def end_window(self, codec: str, block: int) -> list[torch.Tensor]:
+        arrays = [(n, (a - p).numpy().copy()) for n, a, p in zip(self.names, self.anchor, self.params)]
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p)
+        if codec == "fp32":
+            return [torch.from_numpy(x) for _, x in arrays]
+        enc = self.ef.encode(arrays, codec, block)
+        dec = codec_mod.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
+        return [torch.from_numpy(np.ascontiguousarray(x)) for _, x in dec]
+
+
+@dataclass
+class Delta:
+    learner: int
+    base_version: int
+    steps: int
+    tokens: int
+    tensors: list[torch.Tensor]
+    compute_s: float
+
+
+def run(lab: LabConfig, log=None) -> dict:
+    torch.manual_seed(lab.seed)
+    torch.set_num_threads(1)
+    cfg = RunConfig(learners=lab.learners, seed=lab.seed)
+    cfg.model = dataclasses.replace(MODEL_PRESETS["tiny"])
+    cfg.learner.inner_steps = lab.inner_steps
+    cfg.learner.batch_size = lab.batch_size
+    cfg.learner.codec = lab.codec
+    h, m = lab.inner_steps, lab.learners
+    round_tokens = cfg.round_tokens()
+    per_step = lab.batch_size * cfg.model.context
+    corpus = load_corpus(cfg.data, m)
+    windows = eval_windows(corpus.eval_bytes, cfg.model.context, lab.eval_windows)
+    eval_model = build_model(cfg.model, cfg.seed)
+    rng = np.random.default_rng(lab.seed)
+    learners = [Learner(i, cfg, lab, corpus.shards[i], np.random.default_rng([lab.seed, i])) for i in range(m)]
+    glob = [p.detach().clone() for p in eval_model.parameters()]
+    names = [n for n, _ in eval_model.named_parameters()]
+    plain = [is_embedding(n) for n in names]
+    opt = merge.WorkClockNesterov(cfg.outer.lr, cfg.outer.momentum, True)
+    version, tokens_merged = 0, 0
+    tokens_at_version = {0: 0}
+    own_at_version: dict[int, dict[int, int]] = {0: {}}
+    own_merged = [0] * m
+    pending: list[Delta] = []
+    quorum_since: float | None = None
+    overlap = lab.overlap_steps or h
+
+    events: list = []
+    counter = itertools.count()
+
+    def push(t, kind, data=None):
+        heapq.heappush(events, (t, next(counter), kind, data))
+
+    for lr_ in learners:
+        offset = float(rng.uniform(0, lab.start_spread * h * lab.step_s)) if lr_.id else 0.0
+        push(offset + lr_.step_time(lab), "step", lr_.id)
+
+    trained = 0
+    curve: list[list[float]] = []
+    merges: list[dict] = []
+    next_eval = 0
+    grace_timer_at: float | None = None
+    # sync reference direction of the current round of work: the mean of each learner's
+    # latest window (measures how far a merge's direction is from what sync would use)
+    latest_delta: dict[int, list[torch.Tensor]] = {}
+
+    def do_eval(t):
+        with torch.no_grad():
+            for p, g in zip(eval_model.parameters(), glob):
+                p.copy_(g)
+        loss, acc = evaluate(eval_model, windows)
+        curve.append([tokens_merged, loss, acc, t])
+        if log:
+            log(f"t={t:8.1f}s tokens={tokens_merged:>10} v={version:>5} loss={loss:.4f}")
+        return loss
+
+    do_eval(0.0)
+    next_eval = lab.eval_every_tokens
+
+    def rounds_behind(d: Delta) -> float:
+        own_now = own_merged[d.learner]
+        own_then = own_at_version.get(d.base_version, {}).get(d.learner, 0)
+        others = (tokens_merged - tokens_at_version[d.base_version]) - (own_now - own_then)
+        return merge.staleness_rounds(others, 0, round_tokens)
+
+    def do_merge(t):
+        nonlocal pending, version, tokens_merged, quorum_since, next_eval
+        batch, pending = pending, []
+        quorum_since = None
+        infos, stale = [], []
+        for d in batch:
+            r = rounds_behind(d)
+            disc = merge.staleness_discount(r, lab.max_staleness_rounds, clamp=True)
+            stale.append(min(r, lab.max_staleness_rounds))
+            infos.append(merge.DeltaInfo(d.tokens, d.steps, disc))
+        weights = merge.token_weights(infos)
+        fraction = merge.work_fraction(infos, round_tokens)
+        s_mean = lab.staleness_gain * sum(w * s for w, s in zip(weights, stale))
+        tensors = [d.tensors if d.steps == h else [x * (h / d.steps) for x in d.tensors] for d in batch]
+        direction = merge.combine(tensors, weights, "weighted", plain)
+        ref = [sum(latest_delta[i][k] for i in latest_delta) / len(latest_delta) for k in range(len(glob))]
+        dot = sum(float((a * b).sum()) for a, b in zip(direction, ref))
+        na = math.sqrt(sum(float((a * a).sum()) for a in direction))
+        nb = math.sqrt(sum(float((b * b).sum()) for b in ref))
+        before = [g.clone() for g in glob]
+        opt.step(glob, direction, fraction, s_mean)
+        moved = math.sqrt(sum(float(((g - b) ** 2).sum()) for g, b in zip(glob, before)))
+        version += 1
+        for d in batch:
+            own_merged[d.learner] += d.tokens
+            tokens_merged += d.tokens
+        tokens_at_version[version] = tokens_merged
+        own_at_version[version] = {i: own_merged[i] for i in range(m)}
+        merges.append({
+            "t": round(t, 4), "deltas": len(batch), "fraction": fraction, "staleness": stale,
+            "cosine_to_sync": dot / (na * nb) if na > 0 and nb > 0 else 0.0,
+            "move_per_round": moved / fraction if fraction > 0 else 0.0,
+            "momentum_norm": math.sqrt(sum(float((b * b).sum()) for b in opt.buffers)),
+        })
+        snap = (version, tokens_merged, [g.clone() for g in glob])
+        merged_ids = {d.learner for d in batch}
+        for lr_ in learners:
+            wants = lr_.id in merged_ids or lab.pull_rule == "every" or (
+                tokens_merged - lr_.tokens_at_copy >= 2 * round_tokens
+            )
+            if wants:
+                push(t + lab.merge_s + lab.download_s, "pull", (lr_.id, snap))
+        if tokens_merged >= next_eval:
+            do_eval(t)
+            next_eval += lab.eval_every_tokens
+
+    def maybe_merge(t):
+        nonlocal quorum_since, grace_timer_at
+        distinct = len({d.learner for d in pending})
+        k = merge.quorum_size(m if lab.sync else lab.quorum, m)
+        if distinct < k:
+            quorum_since = None
+            return
+        if quorum_since is None:
+            quorum_since = t
+        step_s = lab.step_s
+        grace = 0.0 if lab.sync else max(0.0, lab.grace_gamma * (overlap * step_s - (lab.upload_s + lab.merge_s)))
+        if distinct >= m or t >= quorum_since + grace - 1e-9:
+            do_merge(t)
+        elif grace_timer_at is None or grace_timer_at < t:
+            grace_timer_at = quorum_since + grace
+            push(grace_timer_at, "grace", None)
+
+    budget = lab.tokens
+    wall0 = time.monotonic()
+    while events:
+        t, _, kind, data = heapq.heappop(events)
+        if kind == "step":
+            lr_ = learners[data]
+            if trained >= budget:
+                continue
+            lr_.fold()
+            lr_.train_step()
+            trained += per_step
+            if lr_.window_steps >= h:
+                tens = lr_.end_window(lab.codec, cfg.learner.block_size)
+                latest_delta[lr_.id] = tens
+                d = Delta(lr_.id, lr_.version, lr_.window_steps, lr_.window_steps * per_step, tens, 0.0)
+                lr_.window_steps = 0
+                push(t + lab.upload_s, "arrive", d)
+                if lab.sync:
+                    lr_.waiting = True
+                    continue
+            push(t + lr_.step_time(lab), "step", lr_.id)
+        elif kind == "arrive":
+            pending.append(data)
+            maybe_merge(t)
+        elif kind == "grace":
+            grace_timer_at = None
+            if pending:
+                maybe_merge(t)
+        elif kind == "pull":
+            i, snap = data
+            lr_ = learners[i]
+            lr_.incoming = snap if lr_.incoming is None or snap[0] > lr_.incoming[0] else lr_.incoming
+            if lr_.waiting:
+                lr_.waiting = False
+                push(t + lr_.step_time(lab), "step", lr_.id)
+        if not events and pending:
+            do_merge(t)  # drain: what was trained is merged
+    # the last windows' partial work is not merged (as in the real drain, only whole windows
+    # count here; at these budgets it is under one window per learner)
+    final_loss = do_eval(t) if curve[-1][0] != tokens_merged else curve[-1][1]
+    stal = [s for mg in merges for s in mg["staleness"]]
+    rows = {
+        "config": dataclasses.asdict(lab),
+        "final_eval_loss": final_loss,
+        "final_eval_accuracy": curve[-1][2],
+        "tokens_merged": tokens_merged,
+        "merges": len(merges),
+        "deltas_per_merge_mean": float(np.mean([mg["deltas"] for mg in merges])),
+        "staleness_mean": float(np.mean(stal)) if stal else 0.0,
+        "cosine_to_sync_mean": float(np.mean([mg["cosine_to_sync"] for mg in merges])),
+        "move_per_round_mean": float(np.mean([mg["move_per_round"] for mg in merges[len(merges) // 2 :]])),
+        "momentum_norm_last": merges[-1]["momentum_norm"] if merges else 0.0,
+        "virtual_seconds": t,
+        "cpu_seconds": round(time.monotonic() - wall0, 1),
+        "curve": [[c[0], round(c[1], 5)] for c in curve],
+    }
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", default=[], help=f"one of {sorted(VARIANTS)} (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a LabConfig field (JSON value)")
+    ap.add_argument("--learners", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=pathlib.Path)
+    ap.add_argument("--list-variants", action="store_true")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+    if args.list_variants:
+        print(json.dumps(VARIANTS, indent=1))
+        return 0
+    results = []
+    for name in args.variant or ["sync", "ddiloco"]:
+        lab = LabConfig(learners=args.learners, tokens=args.tokens, seed=args.seed, **VARIANTS[name])
+        for kv in args.set:
+            k, v = kv.split("=", 1)
+            setattr(lab, k, json.loads(v))
+        res = {"variant": name, **run(lab, None if args.quiet else (lambda s: print(f"[{name}] {s}", file=sys.stderr)))}
+        results.append(res)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("curve", "config")}), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
