@@ -71,7 +71,7 @@ if str(ROOT / "services") not in sys.path:  # runs from a plain checkout too
     sys.path.insert(0, str(ROOT / "services"))
 
 from ddiloco.chaos.audit import audit_run  # noqa: E402
-from ddiloco.chaos.faults import Fault, Schedule, periodic  # noqa: E402
+from ddiloco.chaos.faults import Schedule, periodic  # noqa: E402
 from ddiloco.common.config import MODEL_PRESETS  # noqa: E402
 from ddiloco.common.metrics import read_events  # noqa: E402
 

@@ -271,8 +271,12 @@ def run_ddiloco_sync(cfg_path: pathlib.Path, m: int, budget: int, run_dir: pathl
     final = (int(report.get("tokens_merged") or report["tokens_trained"]), float(report["final_eval_loss"]))
     if not curve or curve[-1] != final:
         curve.append(final)
-    # per round: the version is the round (one merge of all M learners per version)
-    rounds = sorted({(e["version"], float(e["eval_loss"])) for e in events if e.get("event") == "eval"})
+    # per round: version v is round v while every merge holds all M learners' full windows
+    # (a whole outer step, fraction 1); merges on the drain may hold partial windows: not rounds
+    full = {0} | {e["version"] for e in events if e.get("event") == "merge" and e.get("fraction", 1.0) >= 1.0 - 1e-9
+                  and len({d[0] for d in e.get("deltas", [])}) == m}
+    rounds = sorted({(e["version"], float(e["eval_loss"])) for e in events
+                     if e.get("event") == "eval" and e["version"] in full and e["version"] == _rank(full, e["version"])})
     return {
         "method": "ddiloco-sync",
         "flags": flags[4:],
@@ -289,6 +293,12 @@ def run_ddiloco_sync(cfg_path: pathlib.Path, m: int, budget: int, run_dir: pathl
         "curve_rounds": [[v, round(x, 5)] for v, x in rounds],
         "run_dir": str(run_dir),
     }
+
+
+def _rank(full: set[int], v: int) -> int:
+    """The round a full-round version stands for: how many full merges precede it (equal to
+    the version itself as long as no merge before it was partial)."""
+    return sum(1 for x in full if 0 < x <= v)
 
 
 def run_dp(cfg_path: pathlib.Path, m: int, budget: int, run_dir: pathlib.Path, device: str) -> dict:
@@ -341,6 +351,14 @@ def compare(rows: dict[str, dict]) -> tuple[dict, list[dict]]:
         cmp["ratio_to_dp_ddiloco_sync"] = round(loss(dd) / loss(dp), 5)
         cmp["ratio_to_dp_torchft_at_equal_tokens"] = round(cmp["torchft_loss_at_equal_tokens"] / loss(dp), 5)
     cmp["ratio_points_ddiloco_minus_torchft"] = ratio_points
+    # round by round: ddiloco's global version v is its v-th synchronous round, torchft's
+    # curve has every round; where ddiloco evaluated the same round, the two should agree
+    if tf and dd and dd.get("curve_rounds"):
+        tf_round = {int(r): l for r, l in tf["curve_rounds"]}
+        pairs = [[int(v), l, tf_round[int(v)], round(l / tf_round[int(v)] - 1, 6)]
+                 for v, l in dd["curve_rounds"] if int(v) in tf_round and v > 0]
+        cmp["same_round_losses"] = pairs  # [round, ddiloco-sync, torchft, relative difference]
+        cmp["same_round_max_abs_rel_diff"] = max((abs(p[3]) for p in pairs), default=None)
     note = "" if cmp.get("torchft_curve_covers_equal_tokens", True) else "torchft's curve ends before ddiloco's tokens: clamped"
     targets = [
         {"target": "ddiloco-sync final loss vs torchft's at equal tokens (|relative|)", "value": equal,
@@ -420,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     # ddiloco stops once the learners' heartbeats report the budget, and merges the windows
     # flushed on the way out: it ends a little past the budget. torchft trains on for these
     # extra rounds so that its loss at ddiloco's final tokens is read off its curve, not guessed
-    extra_rounds = max(2, math.ceil(0.05 * rounds)) if "ddiloco-sync" in args.method_list else 0
+    extra_rounds = max(6, math.ceil(0.05 * rounds)) if "ddiloco-sync" in args.method_list else 0
     prov = cb.start_provenance(args.allow_dirty or quick, "peer_diloco")
     suffix = "-quick" if quick else ""
     runs = args.runs_dir or ROOT / "runs" / time.strftime(f"peer_diloco{suffix}-%Y%m%d-%H%M%S")
@@ -481,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.results_dir / f"peer_diloco{suffix}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(summary_table(rows))
+    if comparison.get("same_round_max_abs_rel_diff") is not None:
+        print(f"\nsame rounds evaluated by both ({len(comparison['same_round_losses'])}): largest relative difference "
+              f"{comparison['same_round_max_abs_rel_diff']:.2e}")
     if comparison.get("equal_tokens") is not None:
         print(f"\nat ddiloco-sync's final tokens merged ({comparison['equal_tokens']:,}): torchft "
               f"{comparison['torchft_loss_at_equal_tokens']:.4f}, ddiloco-sync {rows['ddiloco-sync']['final_eval_loss']:.4f}")

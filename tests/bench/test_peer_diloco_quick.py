@@ -71,6 +71,8 @@ def test_quick_run_writes_every_method(quick_run):
     cmp = doc["comparison"]
     assert isinstance(cmp["ddiloco_sync_vs_torchft_at_equal_tokens"], float)
     assert isinstance(cmp["ratio_points_ddiloco_minus_torchft"], float)
+    assert isinstance(cmp["same_round_losses"], list)  # rounds both evaluated: [round, ddiloco, torchft, rel]
+    assert all(len(x) == 4 and x[0] >= 1 for x in cmp["same_round_losses"])
     assert [t["limit"] for t in doc["targets"]] == [0.005, 0.01]
     assert all(t["met"] in (True, False) for t in doc["targets"])
 
