@@ -17,7 +17,9 @@ for what they put at risk (issue 10):
 - *backlog kill* (from T/2): the outer optimizer is frozen (SIGSTOP) for ``backlog_freeze_s``
   so that the learners' windows pile up, thawed, and killed as soon as its status shows at
   least one round of deltas (M) acknowledged but not merged yet (or after 10 s of trying);
-  ``journal_replay`` on restart shows how many it had to recover;
+  ``journal_replay`` on restart shows how many it had to recover. Synchronous DiLoCo merges
+  the moment a round is complete, so in its run the condition is rarely seen and the kill
+  falls when the 10 s run out (``backlog_condition_met`` says which);
 - *checkpoint kill* (from 0.7 T): killed the moment a checkpoint is being written (its
   temporary folder exists; the state dir is polled every half millisecond); the restarted
   outer's ``temporaries_removed`` event confirms the kill landed mid-write.
@@ -295,8 +297,10 @@ def _targeted_loop(controller, backend, cluster, options, faults: list[TargetedF
             if f.kind == "outer-backlog":
                 address = cluster.registered_outer()
                 fid = controller.inject("freeze", "outer")
-                stop.wait(f.freeze_s)
-                controller.recover(fid)
+                try:
+                    stop.wait(f.freeze_s)
+                finally:
+                    controller.recover(fid)  # never left frozen
                 deadline, best = time.monotonic() + 10.0, -1
                 while time.monotonic() < deadline and not stop.is_set():
                     pending = _outer_pending(address)
