@@ -88,8 +88,11 @@ class OuterClient:
             header.fragment, header.version, header.tokens_merged, header.base_version, arrays, len(payload)
         )
 
-    def status(self, timeout: float = 3.0) -> outer_pb2.OuterStatus:
-        return self._stub.GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
+    def status(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0) -> outer_pb2.OuterStatus:
+        """The outer optimizer's status; with ``wait_s`` > 0, as soon as its global version
+        exceeds ``wait_newer_than`` (a long poll), or after ``wait_s``."""
+        req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
+        return self._stub.GetStatus(req, timeout=timeout + wait_s)
 
     def last_seq(self, timeout: float = 3.0) -> int:
         """The last sequence number the outer optimizer accepted from this learner id (0: none)."""

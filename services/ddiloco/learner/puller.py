@@ -52,6 +52,7 @@ from ddiloco.learner.supervision import LearnerFailure, Supervisor
 log = logging.getLogger(__name__)
 
 CATCH_UP_ROUNDS = 2.0
+LONG_POLL_S = 2.0  # how long one status call may wait for a merge (the server caps it at 10 s)
 MAX_FAILURES = 6  # consecutive non-transient failures; with the backoff, about 6 s of trying
 # a coordinator that restarted without its state lists a learner again once its next
 # heartbeat is refused and it registers again: a few heartbeats, a lease at most; with room
@@ -191,10 +192,17 @@ class Puller:
 
     def _loop(self) -> None:
         denied_since: float | None = None
-        while not self.stop_event.wait(self.poll_s):
+        seen = -1  # the global version of the last status: the long poll waits for a newer one
+        pace = self.poll_s
+        while not self.stop_event.wait(pace):
+            pace = self.poll_s  # after an error, poll at the configured pace
             try:
                 client = self.client_factory()
-                status = client.status()
+                # a long poll: the status comes back as soon as a merge happened, so the learner
+                # folds the new version as early as possible. Every step it trains on the old
+                # base is what asynchrony costs in quality (docs/algorithm.md, the laboratory)
+                status = client.status(wait_newer_than=seen, wait_s=LONG_POLL_S)
+                changed, seen = status.version != seen, status.version
                 for fragment in self._wanted(status):
                     # merged count read before the pull: the pulled version holds at least that much
                     copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300)
@@ -202,6 +210,9 @@ class Puller:
                         self._incoming[fragment] = copy
                         self.arrived.set()
                 denied_since = None
+                # ask again at once after a change; a status that came back unchanged (the wait
+                # ran out, or a server that does not wait) is polled at the configured pace
+                pace = 0.0 if changed else self.poll_s
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
                     # the outer optimizer does not find this learner at the coordinator: true

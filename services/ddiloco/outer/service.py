@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # After a restart, how long merges wait for every live learner's re-sent delta: the
 # learners' retry backoff (at most 5 s) plus gRPC's reconnect backoff (at most 2 s), with room.
 RESTART_GRACE_S = 10.0
+# The longest a status long poll may wait: well under any client deadline, so a waiting
+# learner also notices a dead server soon.
+MAX_STATUS_WAIT_MS = 10_000
 # How often a failed checkpoint is tried again when no merge comes to retry it first.
 CHECKPOINT_RETRY_S = 5.0
 # Download views are kept for the planned learners plus this many (at least): replacements
@@ -210,7 +213,19 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
 
     def GetStatus(self, request, context):
-        return self.svc.status()
+        svc = self.svc
+        if request.wait_ms:
+            if request.wait_ms > MAX_STATUS_WAIT_MS:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"wait_ms={request.wait_ms} is above {MAX_STATUS_WAIT_MS}"
+                )
+            state = svc.state
+            with state.lock:
+                state.lock.wait_for(
+                    lambda: state.version > request.wait_newer_than or svc.stop_event.is_set(),
+                    timeout=request.wait_ms / 1000,
+                )
+        return svc.status()
 
     def Finalize(self, request, context):
         try:
@@ -253,7 +268,13 @@ class OuterService:
             self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners)
         )
         self.evaluator = Evaluator(self.config, self.state, self.metrics)
-        self.server = Server(self.options.bind, [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name])
+        # every learner id (up to 2M) may hold a thread in a status long poll while another
+        # of its threads uploads or downloads
+        self.server = Server(
+            self.options.bind,
+            [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name],
+            max_workers=16 + 4 * self.config.learners,
+        )
         outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
         self.server.start()
         host = self.options.bind.rsplit(":", 1)[0]

@@ -92,8 +92,12 @@ class GlobalChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[GlobalHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("wait_newer_than", "wait_ms")
+    WAIT_NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_newer_than: int
+    wait_ms: int
+    def __init__(self, wait_newer_than: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class LearnerMergeStats(_message.Message):
     __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq", "tokens_accepted")
