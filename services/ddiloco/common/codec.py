@@ -89,11 +89,17 @@ def _quantize(flat: np.ndarray, codec: str, block_size: int) -> tuple[np.ndarray
 
 
 def _dequantize(scales: np.ndarray, q: np.ndarray, block_size: int) -> np.ndarray:
+    # O(numel) whatever the block size: ``block_size`` comes from the sender's header, and
+    # padding to whole blocks made a header with block_size 2^31 allocate 8 GiB per tensor
     n = q.size
-    nb = scales.size
-    padded = np.zeros(nb * block_size, dtype=np.float32)
-    padded[:n] = q.astype(np.float32)
-    return (padded.reshape(nb, block_size) * scales[:, None]).reshape(-1)[:n]
+    full = min(n // block_size, scales.size)
+    out = np.empty(n, dtype=np.float32)
+    head = full * block_size
+    if full:
+        out[:head] = (q[:head].astype(np.float32).reshape(full, block_size) * scales[:full, None]).reshape(-1)
+    if head < n:
+        out[head:] = q[head:].astype(np.float32) * scales[full]
+    return out
 
 
 def _pack_int4(q: np.ndarray) -> np.ndarray:
