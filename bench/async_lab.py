@@ -64,6 +64,7 @@ class LabConfig:
     overlap_steps: int = 0  # 0: H
     staleness_gain: float = 0.0
     max_staleness_rounds: float = 4.0
+    align: bool = False  # phase alignment: a learner whose delta waited for peers ends its next window later
     pull_rule: str = "own"  # own: pull when own delta merged (or 2 rounds behind); every: after every merge
     # virtual timing (seconds)
     step_s: float = 0.02
@@ -87,6 +88,7 @@ VARIANTS: dict[str, dict] = {
     "grace-0": {"grace_gamma": 0.0},
     "quorum-all": {"quorum": 10**6},
     "pull-every": {"pull_rule": "every"},
+    "align": {"align": True},
     "instant-wire": {"upload_s": 0.0, "merge_s": 0.0, "download_s": 0.0},
 }
 
@@ -111,6 +113,7 @@ class Learner:
         self.rng = rng
         self.slow = lab.slow.get(i, 1.0)
         self.waiting = False
+        self.extra = 0  # steps added to the current window (phase alignment)
         self.lcfg = lcfg
 
     def step_time(self, lab: LabConfig) -> float:
@@ -162,6 +165,7 @@ class Delta:
     tokens: int
     tensors: list[torch.Tensor]
     compute_s: float
+    arrived: float = 0.0
 
 
 def run(lab: LabConfig, log=None) -> dict:
@@ -266,12 +270,14 @@ def run(lab: LabConfig, log=None) -> dict:
         })
         snap = (version, tokens_merged, [g.clone() for g in glob])
         merged_ids = {d.learner for d in batch}
+        last = max(d.arrived for d in batch)
+        leads = {d.learner: last - d.arrived for d in batch}
         for lr_ in learners:
             wants = lr_.id in merged_ids or lab.pull_rule == "every" or (
                 tokens_merged - lr_.tokens_at_copy >= 2 * round_tokens
             )
             if wants:
-                push(t + lab.merge_s + lab.download_s, "pull", (lr_.id, snap))
+                push(t + lab.merge_s + lab.download_s, "pull", (lr_.id, snap, leads.get(lr_.id)))
         if tokens_merged >= next_eval:
             do_eval(t)
             next_eval += lab.eval_every_tokens
@@ -304,17 +310,19 @@ def run(lab: LabConfig, log=None) -> dict:
             lr_.fold()
             lr_.train_step()
             trained += per_step
-            if lr_.window_steps >= h:
+            if lr_.window_steps >= h + lr_.extra:
                 tens = lr_.end_window(lab.codec, cfg.learner.block_size)
                 latest_delta[lr_.id] = tens
                 d = Delta(lr_.id, lr_.version, lr_.window_steps, lr_.window_steps * per_step, tens, 0.0)
                 lr_.window_steps = 0
+                lr_.extra = 0
                 push(t + lab.upload_s, "arrive", d)
                 if lab.sync:
                     lr_.waiting = True
                     continue
             push(t + lr_.step_time(lab), "step", lr_.id)
         elif kind == "arrive":
+            data.arrived = t
             pending.append(data)
             maybe_merge(t)
         elif kind == "grace":
@@ -322,7 +330,12 @@ def run(lab: LabConfig, log=None) -> dict:
             if pending:
                 maybe_merge(t)
         elif kind == "pull":
-            i, snap = data
+            i, snap, lead = data
+            if lab.align and lead is not None:
+                # end the next window later by half the time this learner's delta waited for
+                # the peers it was merged with (damped), at most H/2 steps
+                lr_ = learners[i]
+                lr_.extra = min(h // 2, int(round(lead / 2 / lab.step_s)))
             lr_ = learners[i]
             lr_.incoming = snap if lr_.incoming is None or snap[0] > lr_.incoming[0] else lr_.incoming
             if lr_.waiting:

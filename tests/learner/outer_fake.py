@@ -54,6 +54,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         self.params = params or [[("w", np.zeros(8, np.float32))]]  # per fragment: named arrays
         self.versions: collections.Counter = collections.Counter({f: 0 for f in range(len(self.params))})
         self.merged_by_learner = collections.defaultdict(collections.Counter)
+        self.leads = collections.defaultdict(dict)  # fragment -> learner -> seconds (phase alignment)
         self.push_script: collections.deque = collections.deque()
         self.pull_script: collections.deque = collections.deque()
         self.status_script: collections.deque = collections.deque()
@@ -156,7 +157,9 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
                     for k, v in sorted(self.last_seq.items())
                 ],
                 fragments=[
-                    outer_pb2.FragmentStatus(fragment=f, version=v, merged_by_learner=dict(self.merged_by_learner[f]))
+                    outer_pb2.FragmentStatus(
+                        fragment=f, version=v, merged_by_learner=dict(self.merged_by_learner[f]), lead_seconds=dict(self.leads[f])
+                    )
                     for f, v in sorted(self.versions.items())
                 ],
             )

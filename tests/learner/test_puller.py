@@ -103,3 +103,23 @@ def test_a_corrupt_download_at_start_up_is_asked_for_again(outer, rig):  # noqa:
     outer.pull_script.append(CORRUPT)
     copies = puller.pull_all(timeout=10)
     assert copies[0].version == 0 and outer.pull_requests == [(0, -1), (0, -1)]
+
+
+def test_a_copy_holding_a_new_merge_of_its_own_delta_carries_how_long_that_delta_waited(outer, rig):  # noqa: F811
+    """Phase alignment: the lead the outer optimizer reports reaches the training loop with
+    the first copy that holds the merge; a copy without a new own merge carries none."""
+    puller, sup = _start_with_a_new_version(outer, rig)
+    with outer.lock:
+        outer.leads[0][0] = 0.25
+    puller.start(sup)
+    arrived, got = _arrival(puller)
+    wait_until(arrived, 10, "the new version")
+    assert got[0].version == 1 and got[0].lead_s == 0.25
+    got.clear()
+    with outer.lock:  # a merge of others' deltas only
+        outer.params[0] = [("w", np.full(8, 3.5, np.float32))]
+        outer.versions[0] = 2
+    puller.round_tokens = 0  # so the catch-up rule pulls it
+    wait_until(arrived, 10, "the catch-up version")
+    assert got[0].version == 2 and got[0].lead_s == 0.0
+    puller.stop()

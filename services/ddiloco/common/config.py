@@ -69,6 +69,10 @@ class LearnerConfig:
     # Dynamic local updates: a learner slower than its peers syncs after proportionally fewer
     # steps, so every learner sends at about the same wall-clock rate.
     dynamic_local_updates: bool = False
+    # Phase alignment: a learner whose delta waited in the outer optimizer for the peers it
+    # was merged with ends its next window later by half that wait (at most H/2 steps), so
+    # equal-speed learners come to send together. Asynchronous mode only.
+    align_windows: bool = True
     # At most this many H-step windows are summed into one delta when uploads fall behind
     # (an outer optimizer down, a slow link); beyond it the learner waits for its uploads.
     # Bounds the memory of queued work and what a delta header may claim (outer/admission.py).

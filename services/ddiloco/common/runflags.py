@@ -51,6 +51,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "--dynamic-local-updates", action="store_true", default=None,
         help="slower learners sync after proportionally fewer inner steps",
     )
+    group.add_argument(
+        "--no-align-windows", action="store_true", default=None,
+        help="learners keep windows of exactly H steps (no phase alignment with their peers)",
+    )
     for flag, dest, typ, help_ in _FLAGS:
         metavar = flag.lstrip("-").replace("-", "_").upper()
         group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_, metavar=metavar)
@@ -64,6 +68,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.learner.sync = True
     if args.dynamic_local_updates:
         cfg.learner.dynamic_local_updates = True
+    if getattr(args, "no_align_windows", None):
+        cfg.learner.align_windows = False
     if args.naive_merge:
         cfg.outer.work_clock = False
     for _, dest, _, _ in _FLAGS:
@@ -99,6 +105,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--sync"]
     if args.dynamic_local_updates:
         out += ["--dynamic-local-updates"]
+    if getattr(args, "no_align_windows", None):
+        out += ["--no-align-windows"]
     if args.naive_merge:
         out += ["--naive-merge"]
     for flag, dest, _, _ in _FLAGS:

@@ -72,6 +72,9 @@ class FragmentCopy:
     tokens_merged: int = 0
     merged_mine: int = -1
     arrays: list[tuple[str, np.ndarray]] | None = None
+    # set when this copy is the first to hold a new merge of this learner's own delta: how
+    # long that delta waited for the last one of its merge (phase alignment)
+    lead_s: float = 0.0
 
 
 class Puller:
@@ -146,6 +149,12 @@ class Puller:
         )
         return copy
 
+    def _lead(self, status, fragment: int) -> float:
+        for fs in status.fragments:
+            if fs.fragment == fragment:
+                return max(0.0, fs.lead_seconds.get(self.learner_id, 0.0))
+        return 0.0
+
     def _mine(self, status, fragment: int) -> int:
         for fs in status.fragments:
             if fs.fragment == fragment:
@@ -204,8 +213,11 @@ class Puller:
                 status = client.status(wait_newer_than=seen, wait_s=LONG_POLL_S)
                 changed, seen = status.version != seen, status.version
                 for fragment in self._wanted(status):
+                    before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
                     copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300)
+                    if before >= 0 and copy.merged_mine > before:
+                        copy.lead_s = self._lead(status, fragment)
                     with self._lock:
                         self._incoming[fragment] = copy
                         self.arrived.set()

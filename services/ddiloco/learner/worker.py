@@ -286,11 +286,27 @@ class Learner:
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
         start = time.monotonic()
         step = 0
+        step_wall: float | None = None  # running mean of wall seconds per step
+        extended = [False] * nfrag  # the current window was already lengthened (alignment)
+        last = time.perf_counter()
         while not self.drain.is_set():
             for f, copy in self.puller.take().items():
                 if copy.version > self.versions[f]:
                     self._fold(f, copy)
+                if lcfg.align_windows and not lcfg.sync and copy.lead_s > 0 and step_wall and not extended[f]:
+                    # phase alignment: this learner's last delta of fragment f waited lead_s
+                    # for the last peer of its merge. End the window in progress later by
+                    # half that (damped: the peers move too), at most H/2 steps, so that
+                    # learners of equal speed come to send together and merge together
+                    # without anyone waiting (docs/algorithm.md)
+                    extra = min(self.inner_steps // 2, int(round(copy.lead_s / 2 / step_wall)))
+                    if extra > 0:
+                        next_due[f] += extra
+                        extended[f] = True
+                        self.metrics.event("window_extended", learner=self.learner_id, fragment=f, steps=extra)
             t0 = time.perf_counter()
+            step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
+            last = t0
             x, y = self.sampler.batch(self.batch_index)
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             for group in self.optimizer.param_groups:
@@ -318,6 +334,7 @@ class Learner:
                     self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
                     win_steps[f], win_loss[f], win_compute[f] = 0, 0.0, 0.0
                     next_due[f] = step + self.inner_steps
+                    extended[f] = False
                     if lcfg.sync:
                         self._wait_for_merge()
         for f in range(nfrag):

@@ -91,6 +91,7 @@ class Pending:
     tensors: list[torch.Tensor]
     journal_path: pathlib.Path | None
     compute_seconds: float = 0.0
+    arrived: float = 0.0  # time.monotonic() at acceptance (0 for deltas replayed from the journal)
 
 
 @dataclass
@@ -108,12 +109,16 @@ class Fragment:
     pending: list[Pending] = field(default_factory=list)
     merged_by_learner: dict[int, int] = field(default_factory=dict)
     quorum_since: float | None = None  # when the quorum was first met (grace window start)
+    # per learner: how long its delta in this fragment's last merge that held one waited for
+    # the last arrival of that merge (phase alignment; not durable, 0 after a restart)
+    leads: dict[int, float] = field(default_factory=dict)
 
 
 class OuterState:
     def __init__(self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None) -> None:
         self.config = config
         self.metrics = metrics or MetricsLog(None, "outer")
+        self.clock = time.monotonic  # arrival times (phase alignment); injectable for tests
         self.state_dir = state_dir
         model = build_model(config.model, config.seed)
         named = list(model.named_parameters())
@@ -203,7 +208,7 @@ class OuterState:
                 frag.pending.append(
                     Pending(
                         header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
-                        header.inner_steps, tensors, journal_path, header.compute_seconds,
+                        header.inner_steps, tensors, journal_path, header.compute_seconds, self.clock(),
                     )
                 )
                 discount = self._discount(frag, header.base_version, header.learner_id) or 0.0
@@ -341,6 +346,10 @@ class OuterState:
                 self._apply(
                     frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in kept], weights, fraction, mean_staleness
                 )
+                if all(p.arrived > 0 for p in kept):
+                    last = max(p.arrived for p in kept)
+                    for p in kept:  # a learner's latest delta in the merge counts
+                        frag.leads[p.learner_id] = last - p.arrived
                 self.metrics.event(
                     "merge",
                     version=self.version,
@@ -663,6 +672,7 @@ class OuterState:
                         tokens_merged=f.tokens_merged,
                         parameters=sum(self.params[i].numel() for i in f.tensor_ids),
                         merged_by_learner=f.merged_by_learner,
+                        lead_seconds=f.leads,
                     )
                     for f in self.fragments
                 ],

@@ -118,7 +118,7 @@ class LearnerMergeStats(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ..., tokens_accepted: _Optional[int] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment", "version", "tokens_merged", "parameters", "merged_by_learner")
+    __slots__ = ("fragment", "version", "tokens_merged", "parameters", "merged_by_learner", "lead_seconds")
     class MergedByLearnerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -126,17 +126,26 @@ class FragmentStatus(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class LeadSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MERGED_BY_LEARNER_FIELD_NUMBER: _ClassVar[int]
+    LEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fragment: int
     version: int
     tokens_merged: int
     parameters: int
     merged_by_learner: _containers.ScalarMap[int, int]
-    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., parameters: _Optional[int] = ..., merged_by_learner: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    lead_seconds: _containers.ScalarMap[int, float]
+    def __init__(self, fragment: _Optional[int] = ..., version: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., parameters: _Optional[int] = ..., merged_by_learner: _Optional[_Mapping[int, int]] = ..., lead_seconds: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class OuterStatus(_message.Message):
     __slots__ = ("run_id", "ready", "version", "outer_steps", "tokens_merged", "pending_deltas", "learners", "initial_eval_loss", "last_eval_loss", "last_eval_accuracy", "last_eval_version", "bytes_received", "bytes_sent", "model_parameters", "fragments")
