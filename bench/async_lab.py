@@ -17,6 +17,7 @@ uploader's coalescing (uploads here are faster than a window), leases and failur
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
+    python bench/async_lab.py --findings --jobs 2    # docs/algorithm.md's table -> bench/results/async_lab.json
 
 Writes one JSON object per variant to stdout (or ``--out FILE``): final eval loss, the curve,
 deltas per merge, staleness, effective step per round of work, momentum norm, and the cosine
@@ -41,6 +42,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "services"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from ddiloco.common import codec as codec_mod  # noqa: E402
 from ddiloco.common import merge  # noqa: E402
@@ -64,7 +66,7 @@ class LabConfig:
     overlap_steps: int = 0  # 0: H
     staleness_gain: float = 0.0
     max_staleness_rounds: float = 4.0
-    align: bool = False  # phase alignment: a learner whose delta waited for peers ends its next window later
+    align: bool = True  # phase alignment: a learner whose delta waited for peers ends its next window later
     pull_rule: str = "own"  # own: pull when own delta merged (or 2 rounds behind); every: after every merge
     # virtual timing (seconds)
     step_s: float = 0.02
@@ -75,22 +77,33 @@ class LabConfig:
     slow: dict[int, float] = field(default_factory=dict)  # learner -> slowdown factor
     upload_s: float = 0.02
     merge_s: float = 0.005
-    download_s: float = 0.07  # status poll (0.1 s, half on average) + transfer
+    download_s: float = 0.02  # long-polled status + transfer (0.07 with a 0.1 s status poll)
     eval_every_tokens: int = 500_000
     eval_windows: int = 256
 
 
+# Each variant changes one thing from ddiloco's defaults (``ddiloco``).
 VARIANTS: dict[str, dict] = {
-    "sync": {"sync": True, "codec": "fp32"},
+    "sync": {"sync": True, "codec": "fp32", "align": False},
     "ddiloco": {},
-    "fp32": {"codec": "fp32"},
+    "no-align": {"align": False},
+    "no-align-poll": {"align": False, "download_s": 0.07},
+    "no-align-poll-gain-2": {"align": False, "download_s": 0.07, "staleness_gain": 2.0},
     "staleness-gain-2": {"staleness_gain": 2.0},
     "grace-0": {"grace_gamma": 0.0},
+    "no-align-grace-0": {"align": False, "grace_gamma": 0.0},
     "quorum-all": {"quorum": 10**6},
-    "pull-every": {"pull_rule": "every"},
-    "align": {"align": True},
+    "fp32": {"codec": "fp32"},
     "instant-wire": {"upload_s": 0.0, "merge_s": 0.0, "download_s": 0.0},
 }
+
+# The findings of docs/algorithm.md: (learners, tokens, variants).
+FINDINGS = [
+    (8, 3_000_000, ["sync", "ddiloco", "no-align", "no-align-poll", "no-align-poll-gain-2", "staleness-gain-2",
+                    "no-align-grace-0", "quorum-all", "fp32", "instant-wire"]),
+    (16, 3_000_000, ["sync", "ddiloco", "no-align"]),
+    (8, 12_000_000, ["sync", "ddiloco"]),
+]
 
 
 class Learner:
@@ -305,8 +318,8 @@ def run(lab: LabConfig, log=None) -> dict:
         t, _, kind, data = heapq.heappop(events)
         if kind == "step":
             lr_ = learners[data]
-            if trained >= budget:
-                continue
+            if lr_.window_steps == 0 and lr_.step * per_step >= budget / m:
+                continue  # each learner does its share of the budget, in whole windows
             lr_.fold()
             lr_.train_step()
             trained += per_step
@@ -343,8 +356,7 @@ def run(lab: LabConfig, log=None) -> dict:
                 push(t + lr_.step_time(lab), "step", lr_.id)
         if not events and pending:
             do_merge(t)  # drain: what was trained is merged
-    # the last windows' partial work is not merged (as in the real drain, only whole windows
-    # count here; at these budgets it is under one window per learner)
+    # every learner stops at a window boundary once it did its share, so all work is merged
     final_loss = do_eval(t) if curve[-1][0] != tokens_merged else curve[-1][1]
     stal = [s for mg in merges for s in mg["staleness"]]
     rows = {
@@ -375,22 +387,61 @@ def main() -> int:
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--list-variants", action="store_true")
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--findings", action="store_true", help="run the grid of docs/algorithm.md (FINDINGS)")
+    ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
+    ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
     if args.list_variants:
         print(json.dumps(VARIANTS, indent=1))
         return 0
-    results = []
-    for name in args.variant or ["sync", "ddiloco"]:
-        lab = LabConfig(learners=args.learners, tokens=args.tokens, seed=args.seed, **VARIANTS[name])
+    if args.findings:
+        grid = [(m, t, v) for m, t, vs in FINDINGS for v in vs]
+    else:
+        grid = [(args.learners, args.tokens, v) for v in (args.variant or ["sync", "ddiloco"])]
+    from common_bench import finish_provenance, start_provenance
+
+    # virtual time: the losses do not depend on the machine's load, but the provenance is kept
+    prov = start_provenance(args.allow_dirty or not (args.findings or args.out), "async_lab")
+    jobs = []
+    for m, tokens, name in grid:
+        lab = LabConfig(learners=m, tokens=tokens, seed=args.seed, **VARIANTS[name])
         for kv in args.set:
             k, v = kv.split("=", 1)
             setattr(lab, k, json.loads(v))
-        res = {"variant": name, **run(lab, None if args.quiet else (lambda s: print(f"[{name}] {s}", file=sys.stderr)))}
-        results.append(res)
-        print(json.dumps({k: v for k, v in res.items() if k not in ("curve", "config")}), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+        jobs.append((name, lab, args.quiet))
+    if args.jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            results = []
+            for res in pool.imap(_job, jobs):
+                results.append(res)
+                _print(res)
+    else:
+        results = []
+        for job in jobs:
+            results.append(_job(job))
+            _print(results[-1])
+    out = args.out or (ROOT / "bench" / "results" / "async_lab.json" if args.findings else None)
+    if out:
+        base = {(r["config"]["learners"], r["config"]["tokens"]): r for r in results if r["variant"] == "sync"}
+        for r in results:
+            ref = base.get((r["config"]["learners"], r["config"]["tokens"]))
+            r["vs_sync"] = round(r["final_eval_loss"] / ref["final_eval_loss"] - 1, 5) if ref else None
+        command = "python bench/async_lab.py --findings" if args.findings else " ".join(sys.argv)
+        out.write_text(json.dumps({"command": command, **finish_provenance(prov), "rows": results}, indent=1))
     return 0
+
+
+def _job(job) -> dict:
+    name, lab, quiet = job
+    return {"variant": name, **run(lab, None if quiet else (lambda s: print(f"[{name}] {s}", file=sys.stderr)))}
+
+
+def _print(res: dict) -> None:
+    keys = ("variant", "final_eval_loss", "deltas_per_merge_mean", "staleness_mean", "cosine_to_sync_mean", "virtual_seconds")
+    cfg = res["config"]
+    print(json.dumps({"learners": cfg["learners"], "tokens": cfg["tokens"], **{k: res[k] for k in keys}}), flush=True)
 
 
 if __name__ == "__main__":
