@@ -39,6 +39,19 @@ def _digest(named_shapes) -> str:
     return h.hexdigest()
 
 
+INT64_MAX = (1 << 63) - 1
+
+
+def _count(shape) -> int:
+    """Elements of ``shape``, at most INT64_MAX + 1 (never a bignum of a caller's making)."""
+    count = 1
+    for d in shape:
+        count *= d
+        if count > INT64_MAX:
+            return 0 if 0 in shape else INT64_MAX + 1
+    return count
+
+
 def _named_shapes(sig: coordinator_pb2.ModelSignature) -> list[tuple[str, tuple[int, ...]]]:
     return [(t.name, tuple(t.shape)) for t in sig.tensors]
 
@@ -65,7 +78,9 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
         raise InvalidArgument("RegisterRequest.model.sha256 does not match its own tensor list")
     if got.sha256 == expected.sha256:
         return
-    got = signature_of(mine)  # count the parameters ourselves: the message names them
+    # count the parameters ourselves for the message, saturating: a caller's dimensions may
+    # multiply past int64, which a ModelSignature cannot hold ("Value out of range", UNKNOWN)
+    parameters = min(INT64_MAX, sum(_count(shape) for _, shape in mine))
     theirs = dict(_named_shapes(expected))
     ours = dict(mine)
     diffs = [f"{n}: {list(s)} instead of {list(theirs[n])}" for n, s in ours.items() if n in theirs and theirs[n] != s]
@@ -75,6 +90,6 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
         diffs = ["same tensors in another order"]
     shown = "; ".join(diffs[:MAX_LISTED]) + (f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else "")
     raise FailedPrecondition(
-        f"this learner's model differs from the run's ({len(mine)} tensors, {got.parameters:,} parameters; "
+        f"this learner's model differs from the run's ({len(mine)} tensors, {parameters:,} parameters; "
         f"the run has {len(theirs)} tensors, {expected.parameters:,} parameters): {shown}"
     )
