@@ -16,6 +16,28 @@ from ddiloco.launcher.processes import Cluster  # noqa: E402
 from support import TINY_RUN, wait_serving, wait_until  # noqa: E402,F401
 
 
+# ---------------------------------------------------------------- the slow tier
+# Tests marked ``@pytest.mark.slow`` (e.g. the >= 5,000-request fuzz runs in tests/fuzz) are
+# skipped unless ``--slow`` is given or DDILOCO_SLOW=1 is set; their quick forms always run.
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False, help="also run tests marked slow (or DDILOCO_SLOW=1)")
+
+
+def slow_enabled(config) -> bool:
+    import os
+
+    return bool(config.getoption("--slow")) or os.environ.get("DDILOCO_SLOW", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    if slow_enabled(config):
+        return
+    skip = pytest.mark.skip(reason="slow tier: run with --slow or DDILOCO_SLOW=1")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def cluster_factory(tmp_path):
     """Start coordinator + outer optimizer (and optionally learners) as processes."""
