@@ -361,6 +361,9 @@ class OuterState:
                     staleness=[round(s, 3) for s in staleness],
                     tokens_merged=self.tokens_merged,
                     fragment_tokens_merged=frag.tokens_merged,
+                    step_norm=round(self.last_step_stats["step_norm"], 6),
+                    step_per_round=round(self.last_step_stats["step_norm"] / fraction, 6),
+                    momentum_norm=round(self.last_step_stats["momentum_norm"], 6),
                 )
             self._merges_since_checkpoint += 1
             self.lock.notify_all()
@@ -394,7 +397,13 @@ class OuterState:
         # One step whatever the fraction: a merge worth more than a round (a backlog) takes
         # its first round as an ordinary step and the rest at unit gain (merge module
         # docstring), in time independent of the tokens a header claims.
+        before = [p.clone() for p in params]
         frag.optimizer.step(params, direction, fraction, staleness)
+        # what the merge did, for the merge event (how far per round of work, momentum size)
+        self.last_step_stats = {
+            "step_norm": math.sqrt(sum(float((p - b).pow(2).sum()) for p, b in zip(params, before))),
+            "momentum_norm": math.sqrt(sum(float(b.pow(2).sum()) for b in frag.optimizer.buffers or [])),
+        }
         frag.version += 1
         self.version += 1
         self.outer_steps += 1
