@@ -152,50 +152,14 @@ def git_rev() -> str:
 
 # ---------------------------------------------------------------------------------- targeted faults
 def run_with_targeted(options, schedule: Schedule, targeted: list[TargetedFault]):
-    """``ddiloco.chaos.run.run_with_chaos``, plus a thread that injects ``targeted`` through
-    the same chaos controller (so they are logged, restarted and accounted like the rest)."""
-    from ddiloco.chaos.controller import ChaosController
-    from ddiloco.chaos.local import LocalBackend
-    from ddiloco.chaos.run import ChaosResult, _supervise
-    from ddiloco.common.metrics import MetricsLog
-    from ddiloco.launcher.processes import Cluster
-    from ddiloco.launcher.topology import make_topology
+    """``ddiloco.chaos.run.run_with_chaos``, with ``targeted`` injected alongside the schedule
+    through the same chaos controller (so they are logged, restarted and accounted like the rest)."""
+    from ddiloco.chaos.run import run_with_chaos
 
-    options.out.mkdir(parents=True, exist_ok=True)
-    topology = make_topology(options.topology, options.learners, options.out)
-    notes: list[str] = []
-    failures: dict[str, int] = {}
-    stop = threading.Event()
-    with topology:
-        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
-        backend = LocalBackend(cluster, None)
-        controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
-        trigger = threading.Thread(target=_targeted_loop, args=(controller, backend, cluster, options, targeted, stop),
-                                   name="targeted-faults", daemon=True)
-        try:
-            topology.start(options.out)
-            cluster.start_coordinator(options.run_flags)
-            cluster.start_outer()
-            for i in range(options.learners):
-                cluster.start_learner(i, ["--device", options.device, "--learner-id", str(i)])
-            controller.start()
-            trigger.start()
-            failures = _supervise(cluster, backend, options, notes)
-        except KeyboardInterrupt:
-            print("\ninterrupted: stopping services", file=sys.stderr)
-        finally:
-            stop.set()
-            if trigger.is_alive():
-                trigger.join(timeout=30)
-            controller.stop(undo=True)
-            if not failures:
-                cluster.wait_all(timeout=60)
-            cluster.stop_all()
-        report_path = options.out / "report.json"
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
-        topology.finish(options.out, report)
-    failures.update({p.name: p.returncode() for p in cluster.failed() if p.name not in failures})
-    return ChaosResult(report, failures, options.out, controller.injected, controller.errors, notes)
+    def inject(controller, backend, cluster, stop: threading.Event) -> None:
+        _targeted_loop(controller, backend, cluster, options, targeted, stop)
+
+    return run_with_chaos(options, schedule, alongside=inject)
 
 
 def _outer_pending(address: str) -> int | None:

@@ -111,7 +111,7 @@ def test_a_delta_coalesced_during_an_outage_moves_the_model_like_its_windows(tmp
     window = [(n, (rng.normal(size=p.shape) * 1e-3).astype(np.float32)) for n, p in zip(
         OuterState(cfg, None).names, OuterState(cfg, None).params)]
     h, tokens = cfg.learner.inner_steps, cfg.learner.inner_steps * cfg.learner.batch_size * cfg.model.context
-    k = 6
+    k = cfg.learner.max_coalesce_windows  # the largest delta an uploader makes
 
     one_by_one = OuterState(cfg, None)
     start = [p.clone() for p in one_by_one.params]

@@ -75,3 +75,18 @@ def test_user_text_folder(tmp_path):
 def test_missing_user_text_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_corpus(DataConfig(path=str(tmp_path / "nope")), 2)
+
+
+def test_the_coalescing_bound_defaults_to_the_staleness_bound_and_is_a_run_flag():
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+    cfg = RunConfig()
+    assert cfg.learner.max_coalesce_windows == cfg.outer.max_staleness_rounds == 4
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    assert run_config_from_args(parser.parse_args(["--max-coalesce-windows", "8"])).learner.max_coalesce_windows == 8
+    for bad in ("0", "1025"):
+        with pytest.raises(SystemExit, match="--max-coalesce-windows must be 1 to 1024"):
+            run_config_from_args(parser.parse_args(["--max-coalesce-windows", bad]))

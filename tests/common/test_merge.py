@@ -202,3 +202,16 @@ def test_staleness_shortens_the_momentum_memory_and_zero_staleness_changes_nothi
     assert fresh.buffers[0].item() == pytest.approx((1 - d_fresh) / 0.1 * (d_fresh + 1))
     with pytest.raises(ValueError):
         stale.step([ps], [g], 0.25, staleness=-1.0)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("fraction", [0.25, 1.0, 3.5])
+def test_step_returns_the_norm_of_the_change_it_made(nesterov, fraction):
+    torch.manual_seed(0)
+    opt = merge.WorkClockNesterov(lr=0.7, momentum=0.9, nesterov=nesterov)
+    params = [torch.randn(5, 3), torch.randn(7)]
+    for _ in range(3):  # a warm buffer, so momentum is part of the change
+        before = [p.clone() for p in params]
+        norm = opt.step(params, [torch.randn(5, 3), torch.randn(7)], fraction)
+        actual = math.sqrt(sum(float((p - b).pow(2).sum()) for p, b in zip(params, before)))
+        assert norm == pytest.approx(actual, rel=1e-5)

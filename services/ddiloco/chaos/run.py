@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ddiloco.chaos.controller import ChaosController
@@ -30,10 +32,23 @@ class ChaosResult(LaunchResult):
     notes: list[str] = field(default_factory=list)
 
 
-def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Partitioner | None = None) -> ChaosResult:
+# a fault injector that runs beside the schedule (e.g. one that waits for a condition of the
+# run before it strikes): called on its own thread once every process has started, with the
+# controller to inject through, the backend, the cluster and an event set when the run ends
+Alongside = Callable[[ChaosController, LocalBackend, Cluster, threading.Event], None]
+
+
+def run_with_chaos(
+    options: LaunchOptions,
+    schedule: Schedule,
+    partitioner: Partitioner | None = None,
+    alongside: Alongside | None = None,
+) -> ChaosResult:
     """Run the job of ``options`` (local processes, or the netns topology of
     ``options.topology``) with ``schedule`` played against it; the result adds what the
-    chaos controller did. In the netns topology partitions cut datacenter links."""
+    chaos controller did. In the netns topology partitions cut datacenter links.
+    ``alongside``, if given, injects further faults through the same controller (so they
+    are logged, restarted and accounted like the scheduled ones)."""
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
     notes: list[str] = []
@@ -45,6 +60,12 @@ def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Part
             partitioner = NetnsPartitioner(session.plan)
         backend = LocalBackend(cluster, partitioner)
         controller = ChaosController(schedule, backend, MetricsLog(options.out / "metrics.jsonl", "chaos"))
+        stop = threading.Event()
+        injector = None
+        if alongside is not None:
+            injector = threading.Thread(
+                target=alongside, args=(controller, backend, cluster, stop), name="alongside-faults", daemon=True
+            )
         try:
             topology.start(options.out)
             cluster.start_coordinator(options.run_flags)
@@ -56,10 +77,15 @@ def run_with_chaos(options: LaunchOptions, schedule: Schedule, partitioner: Part
                 extra += options.learner_flags.get(i, [])
                 cluster.start_learner(i, extra)
             controller.start()
+            if injector is not None:
+                injector.start()
             failures = _supervise(cluster, backend, options, notes)
         except KeyboardInterrupt:
             print("\ninterrupted: stopping services", file=sys.stderr)
         finally:
+            stop.set()
+            if injector is not None and injector.is_alive():
+                injector.join(timeout=30)
             controller.stop(undo=True)
             if not failures:
                 cluster.wait_all(timeout=60)

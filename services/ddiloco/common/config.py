@@ -76,7 +76,12 @@ class LearnerConfig:
     # At most this many H-step windows are summed into one delta when uploads fall behind
     # (an outer optimizer down, a slow link); beyond it the learner waits for its uploads.
     # Bounds the memory of queued work and what a delta header may claim (outer/admission.py).
-    max_coalesce_windows: int = 64
+    # Default = the staleness bound (OuterConfig.max_staleness_rounds, 4): a learner that
+    # trains k windows past its last delivered one trains on a base k rounds old and drifts
+    # away from its peers; past the bound that is work the merge would refuse from anyone
+    # else. At 64 the learners of the M=8 chaos bench trained ~20 windows apart through an
+    # outer restart, and the model made no progress for 1.9M tokens after it (docs/chaos.md).
+    max_coalesce_windows: int = 4
 
 
 @dataclass

@@ -185,8 +185,10 @@ class WorkClockNesterov:
     @torch.no_grad()
     def step(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], fraction: float, staleness: float = 0.0
-    ) -> None:
-        """``staleness``: mean rounds of other work merged since the deltas' base versions.
+    ) -> float:
+        """Apply one merge; returns the L2 norm of the change it made to ``params``.
+
+        ``staleness``: mean rounds of other work merged since the deltas' base versions.
 
         Asynchrony begets momentum (Mitliagkas et al., 2016): stale pseudo-gradients already
         carry the model's recent motion, acting as implicit momentum on top of the explicit
@@ -205,14 +207,17 @@ class WorkClockNesterov:
         m = self.momentum
         decay = m ** (f * (1.0 + staleness))
         gain = (1.0 - decay) / (1.0 - m)
+        squared = 0.0
         for p, g, buf in zip(params, grads, self.buffers):
             buf.mul_(decay).add_(g, alpha=gain)
             if self.nesterov:
-                update = g * f + buf * (m * f)
+                change = g * (f * self.lr) + buf * (m * f * self.lr)
             else:
-                update = buf * f
-            p.sub_(update, alpha=self.lr)
+                change = buf * (f * self.lr)
             if excess > 0:
                 # the backlog beyond one round: the learners' own displacement, no extrapolation
-                p.sub_(g, alpha=excess)
+                change.add_(g, alpha=excess)
                 buf.mul_(m**excess)
+            p.sub_(change)
+            squared += float(change.pow(2).sum())
+        return math.sqrt(squared)

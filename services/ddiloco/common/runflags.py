@@ -32,6 +32,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
     ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),
     ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),
+    ("--max-coalesce-windows", "learner.max_coalesce_windows", int, "windows summed into one delta at most before a learner waits for its uploads"),
     ("--checkpoint-every", "outer.checkpoint_every", int, "merges between checkpoints"),
     ("--eval-interval", "outer.eval_interval_s", float, "seconds between evaluations of the global model"),
     ("--lease-timeout", "lease_timeout_s", float, "seconds without heartbeat before a learner is dead"),
@@ -91,6 +92,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         raise SystemExit("--fragments must be at least 1")
     if cfg.learners < 1:
         raise SystemExit("--learners must be at least 1")
+    if not 1 <= cfg.learner.max_coalesce_windows <= 1024:
+        raise SystemExit(f"--max-coalesce-windows must be 1 to 1024, got {cfg.learner.max_coalesce_windows}")
     return cfg
 
 

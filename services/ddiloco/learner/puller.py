@@ -150,16 +150,12 @@ class Puller:
         return copy
 
     def _lead(self, status, fragment: int) -> float:
-        for fs in status.fragments:
-            if fs.fragment == fragment:
-                return max(0.0, fs.lead_seconds.get(self.learner_id, 0.0))
-        return 0.0
+        fs = _fragment_status(status, fragment)
+        return max(0.0, fs.lead_seconds.get(self.learner_id, 0.0)) if fs is not None else 0.0
 
     def _mine(self, status, fragment: int) -> int:
-        for fs in status.fragments:
-            if fs.fragment == fragment:
-                return fs.merged_by_learner.get(self.learner_id, 0)
-        return 0
+        fs = _fragment_status(status, fragment)
+        return fs.merged_by_learner.get(self.learner_id, 0) if fs is not None else 0
 
     def _wanted(self, status) -> list[int]:
         out = []
@@ -242,3 +238,11 @@ class Puller:
                 log.debug("pull: %s; polling again", exc.code().name)  # the outer optimizer is away
             except InterruptedError:
                 return
+
+
+def _fragment_status(status, fragment: int):
+    """The outer optimizer's status of ``fragment``, or None if the status does not list it."""
+    for fs in status.fragments:
+        if fs.fragment == fragment:
+            return fs
+    return None

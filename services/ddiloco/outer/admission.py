@@ -66,14 +66,20 @@ def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds
         )
 
 
+def linf(t: torch.Tensor) -> float:
+    """Largest absolute value of ``t`` (0 for an empty tensor)."""
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def check_magnitude(
-    config: RunConfig, names: list[str], tensors: list[torch.Tensor], params: list[torch.Tensor], inner_steps: int
+    config: RunConfig, names: list[str], tensors: list[torch.Tensor], param_linf: list[float], inner_steps: int
 ) -> None:
-    """Refuse a pseudo-gradient larger, in any coordinate, than ``inner_steps`` AdamW steps allow."""
+    """Refuse a pseudo-gradient larger, in any coordinate, than ``inner_steps`` AdamW steps
+    allow from parameters whose largest absolute values are ``param_linf`` (per tensor)."""
     lcfg = config.learner
-    for name, t, p in zip(names, tensors, params):
-        bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, float(p.abs().max()) if p.numel() else 0.0)
-        peak = float(t.abs().max()) if t.numel() else 0.0
+    for name, t, p_linf in zip(names, tensors, param_linf):
+        bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, p_linf)
+        peak = linf(t)
         if peak > bound:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -112,6 +112,9 @@ class Fragment:
     # per learner: how long its delta in this fragment's last merge that held one waited for
     # the last arrival of that merge (phase alignment; not durable, 0 after a restart)
     leads: dict[int, float] = field(default_factory=dict)
+    # per tensor, its largest absolute value (admission's magnitude bound), computed once per
+    # version rather than once per arriving delta; cleared whenever a merge changes the params
+    param_linf: list[float] | None = None
 
 
 class OuterState:
@@ -193,8 +196,11 @@ class OuterState:
             try:
                 tensors = self._decode(frag, header, payload)
                 with self.lock:
-                    current = [self.params[i] for i in frag.tensor_ids]
-                    admission.check_magnitude(cfg, [self.names[i] for i in frag.tensor_ids], tensors, current, header.inner_steps)
+                    if frag.param_linf is None:
+                        frag.param_linf = [admission.linf(self.params[i]) for i in frag.tensor_ids]
+                    admission.check_magnitude(
+                        cfg, [self.names[i] for i in frag.tensor_ids], tensors, frag.param_linf, header.inner_steps
+                    )
             except Refused:
                 with self.lock:
                     rec.refused += 1
@@ -323,7 +329,7 @@ class OuterState:
                 return False
             batch, frag.pending = frag.pending, []
             frag.quorum_since = None
-            infos, kept, staleness, dropped = [], [], [], []
+            infos, kept, staleness = [], [], []
             for p in batch:
                 # acknowledged, so never dropped: one that grew staler than the bound while it
                 # waited (or whose base fell out of tracking across a restart) gets the bound's
@@ -338,7 +344,7 @@ class OuterState:
                 fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
                 mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
                 try:
-                    self._journal_merge(frag, kept, dropped, weights, fraction, mean_staleness)  # durable before it is applied
+                    self._journal_merge(frag, kept, weights, fraction, mean_staleness)  # durable before it is applied
                 except StorageError:
                     # nothing applied: the deltas wait, acknowledged and journaled, for a retry
                     frag.pending = batch + frag.pending
@@ -397,11 +403,11 @@ class OuterState:
         # One step whatever the fraction: a merge worth more than a round (a backlog) takes
         # its first round as an ordinary step and the rest at unit gain (merge module
         # docstring), in time independent of the tokens a header claims.
-        before = [p.clone() for p in params]
-        frag.optimizer.step(params, direction, fraction, staleness)
+        step_norm = frag.optimizer.step(params, direction, fraction, staleness)
+        frag.param_linf = None
         # what the merge did, for the merge event (how far per round of work, momentum size)
         self.last_step_stats = {
-            "step_norm": math.sqrt(sum(float((p - b).pow(2).sum()) for p, b in zip(params, before))),
+            "step_norm": step_norm,
             "momentum_norm": math.sqrt(sum(float(b.pow(2).sum()) for b in frag.optimizer.buffers or [])),
         }
         frag.version += 1
@@ -419,8 +425,7 @@ class OuterState:
         self._prune_versions(frag)
 
     def _journal_merge(
-        self, frag: Fragment, kept: list[Pending], dropped: list[list[int]], weights: list[float], fraction: float,
-        staleness: float,
+        self, frag: Fragment, kept: list[Pending], weights: list[float], fraction: float, staleness: float
     ) -> None:
         if self.state_dir is None:
             return
@@ -429,7 +434,6 @@ class OuterState:
             "fragment": frag.index,
             "fragment_version": frag.version + 1,
             "deltas": [[p.learner_id, p.seq] for p in kept],
-            "dropped": dropped,
             "weights": list(weights),  # full precision: the replay must be bit-exact
             "fraction": fraction,
             "staleness": staleness,
@@ -640,7 +644,9 @@ class OuterState:
                 rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
                 rec.accepted += 1
                 rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
-            for learner_id, seq in record["dropped"]:
+            # merge records of earlier versions may list deltas the merge refused as too stale
+            # (acknowledged deltas are no longer dropped, so records written now have none)
+            for learner_id, seq in record.get("dropped", []):
                 if journal.pop((learner_id, seq), None) is not None:
                     rec = self.learners.setdefault(learner_id, LearnerRecord())
                     rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
