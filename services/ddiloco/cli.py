@@ -24,6 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "wan": ("ddiloco.wan.cli", "apply or show a WAN bandwidth profile with tc"),
     "netns": ("ddiloco.netns.cli", "manage network namespaces of the WAN topology"),
     "chaos": ("ddiloco.chaos.cli", "inject faults into a running system"),
+    "export": ("ddiloco.modelio.export", "write a run's global model as a plain state dict (.safetensors)"),
+    "inspect": ("ddiloco.modelio.inspect_cmd", "show what a checkpoint holds: versions, tokens, learners, norms"),
+    "generate": ("ddiloco.modelio.generate", "sample text from a run's byte-level model"),
 }
 
 

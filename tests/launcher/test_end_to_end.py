@@ -76,3 +76,25 @@ def test_checkpoint_on_disk_is_loadable(finished_run):
     state = json.loads((latest / "state.json").read_text())
     assert any(k.startswith("param/") for k in tensors) and any(k.startswith("momentum/") for k in tensors)
     assert state["version"] == json.loads((out / "report.json").read_text())["global_version"]
+
+
+def test_the_exported_model_evaluates_to_the_reported_final_loss(finished_run, tmp_path):
+    """`ddiloco export` of the finished run, loaded into a fresh model, gives the eval loss
+    report.json states (the same held-out windows the outer optimizer evaluates)."""
+    from safetensors.torch import load_file
+
+    from ddiloco.common.config import RunConfig
+    from ddiloco.common.data import eval_windows, load_corpus
+    from ddiloco.common.model import build_model, evaluate
+
+    _, out = finished_run
+    model_file = tmp_path / "model.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "export", str(out), "--out", str(model_file)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cfg = RunConfig.from_json((out / "config.json").read_text())
+    model = build_model(cfg.model, seed=cfg.seed + 1)
+    model.load_state_dict(load_file(str(model_file)), strict=True)
+    corpus = load_corpus(cfg.data, cfg.learners)
+    loss, _ = evaluate(model, eval_windows(corpus.eval_bytes, cfg.model.context, cfg.data.eval_windows))
+    assert loss == pytest.approx(json.loads((out / "report.json").read_text())["final_eval_loss"], rel=1e-6)

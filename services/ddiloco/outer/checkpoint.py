@@ -117,6 +117,33 @@ def _write_file(path: pathlib.Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def read_folder(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and state of one checkpoint folder, verified (``Incomplete`` if not).
+    Reads only: also for tools that inspect or export a run while it runs."""
+    if not path.is_dir():
+        raise Incomplete(f"{path.name}: folder missing")
+    try:
+        state = json.loads((path / STATE).read_text())
+        blob = (path / TENSORS).read_bytes()
+    except FileNotFoundError as exc:
+        raise Incomplete(f"{path.name}: {pathlib.Path(exc.filename).name} missing") from exc
+    except (OSError, ValueError) as exc:
+        raise Incomplete(f"{path.name}: {exc}") from exc
+    if not isinstance(state, dict) or "version" not in state:
+        raise Incomplete(f"{path.name}: {STATE} has no version")
+    key = folder_key(path)
+    if key is not None and key[0] != state["version"]:
+        raise Incomplete(f"{path.name}: {STATE} says version {state['version']}")
+    want = state.get("tensors_sha256")
+    if want is not None and hashlib.sha256(blob).hexdigest() != want:
+        raise Incomplete(f"{path.name}: {TENSORS} does not match the SHA-256 in {STATE}")
+    try:
+        tensors = load_tensors(blob)
+    except Exception as exc:  # safetensors raises its own error type for a bad file
+        raise Incomplete(f"{path.name}: {TENSORS} does not parse: {exc}") from exc
+    return tensors, state
+
+
 class CheckpointStore:
     def __init__(self, state_dir: pathlib.Path, hook: Callable[[str], None] | None = None) -> None:
         self.state_dir = pathlib.Path(state_dir)
@@ -145,28 +172,11 @@ class CheckpointStore:
         return sorted(found, key=folder_key)
 
     def _read(self, path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
-        if not path.is_dir():
-            raise Incomplete(f"{path.name}: folder missing")
-        try:
-            state = json.loads((path / STATE).read_text())
-            blob = (path / TENSORS).read_bytes()
-        except FileNotFoundError as exc:
-            raise Incomplete(f"{path.name}: {pathlib.Path(exc.filename).name} missing") from exc
-        except (OSError, ValueError) as exc:
-            raise Incomplete(f"{path.name}: {exc}") from exc
-        if not isinstance(state, dict) or "version" not in state:
-            raise Incomplete(f"{path.name}: {STATE} has no version")
-        key = folder_key(path)
-        if key is not None and key[0] != state["version"]:
-            raise Incomplete(f"{path.name}: {STATE} says version {state['version']}")
-        want = state.get("tensors_sha256")
-        if want is not None and hashlib.sha256(blob).hexdigest() != want:
-            raise Incomplete(f"{path.name}: {TENSORS} does not match the SHA-256 in {STATE}")
-        try:
-            tensors = load_tensors(blob)
-        except Exception as exc:  # safetensors raises its own error type for a bad file
-            raise Incomplete(f"{path.name}: {TENSORS} does not parse: {exc}") from exc
-        return tensors, state
+        return read_folder(path)
+
+    def folders(self) -> list[pathlib.Path]:
+        """Checkpoint folders, oldest first (complete or not)."""
+        return self._folders()
 
     def _complete_state(self, path: pathlib.Path) -> dict | None:
         if path not in self._verified:

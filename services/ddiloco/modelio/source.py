@@ -1,0 +1,133 @@
+"""Where a global model comes from: a run folder, one checkpoint folder, or an export.
+
+Everything here only reads. A run folder's checkpoints are found under
+``RUN/outer/checkpoints`` (the newest complete one, or the one of ``--version``), its model
+configuration in ``RUN/config.json``. Deltas merged after the newest checkpoint live in the
+outer optimizer's journal and are not part of what is read (a finished run's last
+checkpoint holds its final version).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ddiloco.common.config import ModelConfig, RunConfig
+from ddiloco.common.model import GPT, build_model
+from ddiloco.outer.checkpoint import LATEST, Incomplete, folder_key, read_folder
+
+PARAM, MOMENTUM = "param/", "momentum/"
+META_MODEL = "ddiloco.model_config"  # export metadata: the ModelConfig as JSON
+META_VERSION = "ddiloco.version"
+META_RUN = "ddiloco.run_id"
+
+
+class SourceError(Exception):
+    """The path holds no global model that can be read (the message says why)."""
+
+
+@dataclass
+class GlobalModel:
+    model_config: ModelConfig
+    params: dict[str, torch.Tensor]  # parameter name (as named_parameters) -> tensor
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: dict = field(default_factory=dict)  # the checkpoint's state.json ({} for an export)
+    version: int = -1
+    run_id: str = ""
+    origin: str = ""  # what was read, for messages
+
+    def to_model(self) -> GPT:
+        """A fresh model of this configuration holding these parameters."""
+        model = build_model(self.model_config, seed=0)
+        named = dict(model.named_parameters())
+        if set(named) != set(self.params):
+            raise SourceError(
+                f"{self.origin}: parameters do not match the model configuration: "
+                f"missing {sorted(set(named) - set(self.params))}, unexpected {sorted(set(self.params) - set(named))}"
+            )
+        with torch.no_grad():
+            for name, p in named.items():
+                t = self.params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise SourceError(f"{self.origin}: {name} has shape {tuple(t.shape)}, the model {tuple(p.shape)}")
+                p.copy_(t)
+        return model
+
+
+def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
+    """The global model at ``path``: a run folder, a checkpoint folder or an exported
+    ``.safetensors`` file. ``version`` picks one of a run's kept checkpoints."""
+    path = pathlib.Path(path)
+    if path.is_file():
+        if version is not None:
+            raise SourceError(f"{path}: --version applies to a run folder, not to an exported file")
+        return _load_export(path)
+    if (path / "global.safetensors").exists() or (path / "state.json").exists():
+        return _load_checkpoint(path, _run_config(path.parent.parent.parent, path))
+    checkpoints = path / "outer" / "checkpoints"
+    if not checkpoints.is_dir():
+        raise SourceError(f"{path}: not a run folder (no outer/checkpoints), checkpoint folder or exported file")
+    cfg = _run_config(path, path)
+    folders = sorted((p for p in checkpoints.iterdir() if p.is_dir() and folder_key(p) is not None), key=folder_key)
+    if not folders:
+        raise SourceError(f"{path}: the run has no checkpoint yet")
+    if version is not None:
+        chosen = [p for p in folders if folder_key(p)[0] == version]
+        if not chosen:
+            kept = sorted({folder_key(p)[0] for p in folders})
+            raise SourceError(f"{path}: no checkpoint of version {version}; the run keeps versions {kept}")
+        return _load_checkpoint(chosen[-1], cfg)
+    latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).exists() else None
+    order = ([checkpoints / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
+    problems = []
+    for folder in order:
+        try:
+            return _load_checkpoint(folder, cfg)
+        except SourceError as exc:
+            problems.append(str(exc))
+    raise SourceError(f"{path}: no complete checkpoint: " + "; ".join(problems))
+
+
+def _run_config(run: pathlib.Path, origin: pathlib.Path) -> RunConfig:
+    cfg_path = run / "config.json"
+    if not cfg_path.exists():
+        raise SourceError(f"{origin}: no config.json in the run folder {run} (the model configuration comes from it)")
+    try:
+        return RunConfig.from_json(cfg_path.read_text())
+    except (ValueError, TypeError) as exc:
+        raise SourceError(f"{cfg_path}: not a run configuration: {exc}") from exc
+
+
+def _load_checkpoint(folder: pathlib.Path, cfg: RunConfig) -> GlobalModel:
+    try:
+        tensors, state = read_folder(folder)
+    except Incomplete as exc:
+        raise SourceError(f"checkpoint {folder}: {exc}") from exc
+    params = {k[len(PARAM):]: v for k, v in tensors.items() if k.startswith(PARAM)}
+    momentum = {k[len(MOMENTUM):]: v for k, v in tensors.items() if k.startswith(MOMENTUM)}
+    return GlobalModel(cfg.model, params, momentum, state, int(state["version"]), str(state.get("run_id", "")), str(folder))
+
+
+def _load_export(path: pathlib.Path) -> GlobalModel:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types for a bad file
+        raise SourceError(f"{path}: not a safetensors file: {exc}") from exc
+    if META_MODEL not in meta:
+        raise SourceError(f"{path}: no {META_MODEL} metadata (not written by `ddiloco export`)")
+    try:
+        model_config = ModelConfig(**json.loads(meta[META_MODEL]))
+    except (ValueError, TypeError) as exc:
+        raise SourceError(f"{path}: bad {META_MODEL} metadata: {exc}") from exc
+    # an export holds the state dict: tied tensors appear under every name; keep the
+    # parameter names (as named_parameters lists them)
+    names = {n for n, _ in build_model(model_config, seed=0).named_parameters()}
+    params = {k: v for k, v in tensors.items() if k in names}
+    return GlobalModel(model_config, params, {}, {}, int(meta.get(META_VERSION, -1)), meta.get(META_RUN, ""), str(path))
