@@ -132,6 +132,11 @@ class RunConfig:
     heartbeat_interval_s: float = 1.0
     lease_timeout_s: float = 10.0
     drain_timeout_s: float = 60.0
+    # Warm start: the global model starts from this checkpoint folder, run folder or
+    # `ddiloco export` file (absolute path, read by the outer optimizer) instead of the
+    # seed's initialisation; momentum starts at zero. "" = off. A run that already has a
+    # checkpoint of its own restores that instead.
+    init_from: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)

@@ -53,6 +53,10 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         help="slower learners sync after proportionally fewer inner steps",
     )
     group.add_argument(
+        "--init-from", type=pathlib.Path, default=None, metavar="PATH",
+        help="warm start: the global model starts from this run folder, checkpoint folder or `ddiloco export` file",
+    )
+    group.add_argument(
         "--no-align-windows", action="store_true", default=None,
         help="learners keep windows of exactly H steps (no phase alignment with their peers)",
     )
@@ -94,6 +98,15 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         raise SystemExit("--learners must be at least 1")
     if not 1 <= cfg.learner.max_coalesce_windows <= 1024:
         raise SystemExit(f"--max-coalesce-windows must be 1 to 1024, got {cfg.learner.max_coalesce_windows}")
+    if getattr(args, "init_from", None) is not None:
+        cfg.init_from = str(args.init_from.resolve())
+    if cfg.init_from:
+        from ddiloco.modelio.source import SourceError, check_matches, load
+
+        try:
+            check_matches(load(pathlib.Path(cfg.init_from)), cfg.model)
+        except SourceError as exc:
+            raise SystemExit(f"--init-from: {exc}") from None
     return cfg
 
 
@@ -112,6 +125,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--no-align-windows"]
     if args.naive_merge:
         out += ["--naive-merge"]
+    if getattr(args, "init_from", None) is not None:
+        out += ["--init-from", str(args.init_from.resolve())]
     for flag, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is not None:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from ddiloco.common.cliargs import apply_env_defaults
-from ddiloco.common.runflags import add_run_flags, forward_run_flags
+from ddiloco.common.runflags import add_run_flags, forward_run_flags, run_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +45,15 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
     from ddiloco.launcher.topology import TopologyOptions
 
+    try:
+        # the coordinator builds the run configuration from the same flags: bad values fail
+        # here, once, before a run folder or a process exists
+        run_config_from_args(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(f"ddiloco run: error: {exc.code}", file=sys.stderr)
+            return 2
+        raise
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = args.cfg_learners if args.cfg_learners is not None else 4
     if args.cfg_max_seconds is None and args.config is None:

@@ -59,6 +59,17 @@ class GlobalModel:
         return model
 
 
+def check_matches(g: GlobalModel, model_config: ModelConfig) -> None:
+    """Raise ``SourceError`` unless ``g`` holds exactly the parameters, with the same
+    shapes, that ``model_config`` builds (a warm start must fit the run's model)."""
+    want = {n: tuple(p.shape) for n, p in build_model(model_config, seed=0).named_parameters()}
+    have = {n: tuple(t.shape) for n, t in g.params.items()}
+    if want != have:
+        diff = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
+        shown = ", ".join(f"{n}: {have.get(n, 'absent')} here, {want.get(n, 'absent')} in the run's model" for n in diff[:3])
+        raise SourceError(f"{g.origin} does not fit the run's model ({len(diff)} tensors differ; {shown})")
+
+
 def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
     """The global model at ``path``: a run folder, a checkpoint folder or an exported
     ``.safetensors`` file. ``version`` picks one of a run's kept checkpoints."""

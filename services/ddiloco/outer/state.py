@@ -127,6 +127,8 @@ class OuterState:
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p.detach().clone() for _, p in named]
+        if config.init_from:
+            self._warm_start(pathlib.Path(config.init_from))
         self.plain_average = [is_embedding(n) for n in self.names]
         ocfg = config.outer
         self.fragments = [
@@ -146,6 +148,17 @@ class OuterState:
             (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
             (state_dir / "merges").mkdir(parents=True, exist_ok=True)
             self._restore()
+
+    def _warm_start(self, path: pathlib.Path) -> None:
+        """The initial parameters from ``path`` (``RunConfig.init_from``). Before any restore:
+        a run with checkpoints of its own restores them over this, and merges journaled
+        before its first checkpoint replay on top of it, as on the seed's initialisation."""
+        from ddiloco.modelio.source import check_matches, load
+
+        source = load(path)
+        check_matches(source, self.config.model)  # also checked by the CLI before anything starts
+        self.params = [source.params[n].detach().clone().float() for n in self.names]
+        self.metrics.event("warm_start", path=str(path), version=source.version, run_id=source.run_id)
 
     @property
     def tokens_merged(self) -> int:

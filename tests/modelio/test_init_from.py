@@ -1,0 +1,64 @@
+"""Warm start (``--init-from``): a new run's global model starts from another run's model
+(a run folder, a checkpoint folder or an export), the configuration is checked before
+anything starts, and a run's own checkpoints always win over the warm start."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from ddiloco.common.config import MODEL_PRESETS
+from ddiloco.common.runflags import add_run_flags, run_config_from_args
+from ddiloco.modelio import export as export_cmd
+from ddiloco.outer.state import OuterState
+
+from test_modelio import _config, run  # noqa: F401 - fixture
+
+
+def test_the_outer_optimizer_starts_from_the_given_model(run, tmp_path):  # noqa: F811
+    folder, trained, _ = run
+    exported = tmp_path / "model.safetensors"
+    export_cmd.export(folder, exported)
+    for source in (folder, exported):
+        cfg = _config()
+        cfg.run_id, cfg.init_from = "warm", str(source)
+        warm = OuterState(cfg, tmp_path / f"warm-{source.name}")
+        assert warm.version == 0, "a new run: its own versions start at 0"
+        assert all(torch.equal(a, b) for a, b in zip(warm.params, trained.params))
+        assert all(f.optimizer.buffers is None for f in warm.fragments), "momentum starts at zero"
+
+
+def test_a_runs_own_checkpoint_wins_over_the_warm_start(run, tmp_path):  # noqa: F811
+    folder, _, _ = run
+    cfg = _config()
+    cfg.run_id = "modelio"  # the run of the fixture, restarting in its own folder with a
+    cfg.init_from = str(tmp_path / "other.safetensors")  # warm start named: its checkpoint wins
+    export_cmd.export(folder, tmp_path / "other.safetensors", version=4)
+    restarted = OuterState(cfg, folder / "outer")
+    assert restarted.version == 5
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_a_model_of_another_shape_is_refused_before_anything_starts(run):  # noqa: F811
+    folder, _, _ = run
+    with pytest.raises(SystemExit, match="does not fit the run's model"):
+        run_config_from_args(_parse("--model", "small", "--init-from", str(folder)))
+    cfg = run_config_from_args(_parse("--model", "tiny", "--init-from", str(folder)))
+    assert cfg.init_from == str(folder.resolve()) and cfg.model == MODEL_PRESETS["tiny"]
+
+
+def test_ddiloco_run_with_a_missing_source_is_one_error_line_and_creates_nothing(tmp_path, capsys):
+    from ddiloco.cli import main
+
+    out = tmp_path / "never"
+    assert main(["run", "--model", "tiny", "--init-from", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ddiloco run: error: --init-from: ") and "\n" not in err
+    assert not out.exists()
