@@ -22,21 +22,12 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from ddiloco.common.cliargs import duration
+
 KINDS = ("kill", "freeze", "partition")
 SERVICES = ("outer", "coordinator")
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(text: str) -> float:
-    """``60s``, ``1.5m``, ``500ms``, ``20`` (seconds), ``inf``."""
-    if text.strip().lower() in ("inf", "never", "forever"):
-        return math.inf
-    m = _DURATION.match(text)
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (examples: 60s, 1.5m, 500ms, 20, inf)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+parse_duration = duration  # the shared duration form (ddiloco.common.cliargs)
 
 
 def check_target(kind: str, target: str) -> None:

@@ -5,26 +5,72 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
+import re
 import sys
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def duration(text: str) -> float:
+    """Seconds from ``60s``, ``1.5m``, ``500ms``, ``2h``, ``20`` (seconds) or ``inf``: the one
+    form every duration flag of every command accepts."""
+    if text.strip().lower() in ("inf", "never", "forever"):
+        return math.inf
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (examples: 60s, 1.5m, 500ms, 20, inf)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_name(flag: str, prefix: str = "DDILOCO_") -> str:
+    """The environment variable of a long flag: ``--max-seconds`` -> ``DDILOCO_MAX_SECONDS``."""
+    return prefix + flag[2:].replace("-", "_").upper()
 
 
 def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "DDILOCO_") -> None:
     """Use ``DDILOCO_<FLAG>`` as the default of each optional flag (``--max-seconds`` reads
-    ``DDILOCO_MAX_SECONDS``); a flag on the command line still wins."""
+    ``DDILOCO_MAX_SECONDS``; an empty value counts as unset); a flag on the command line
+    still wins. Each flag's help names
+    its variable. A value that its flag would refuse (a number that is not one, a choice
+    that is not offered, a boolean that is neither on nor off) ends the command with one
+    error line and exit code 2, as a bad flag does, rather than a traceback or a silent
+    default."""
     for action in parser._actions:  # argparse offers no public iterator over actions
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest == "help":
             continue
-        value = os.environ.get(prefix + longs[0][2:].replace("-", "_").upper())
-        if value is None:
+        name = env_name(longs[0], prefix)
+        if action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {name}]".strip()
+        value = os.environ.get(name)
+        if value is None or value == "":  # empty = unset (Compose passes unset variables so)
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            action.default = value.strip().lower() in ("1", "true", "yes", "on")
-        elif action.type is not None:
-            action.default = action.type(value)
-        else:
-            action.default = value
+            word = value.strip().lower()
+            if word not in TRUE + FALSE:
+                _env_error(parser, f"{name}={value!r}: expected one of {'/'.join(TRUE)} or {'/'.join(FALSE)}")
+            on = word in TRUE
+            action.default = on if isinstance(action, argparse._StoreTrueAction) else not on
+            continue
+        try:
+            converted = action.type(value) if action.type is not None else value
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            kind = getattr(action.type, "__name__", "value")
+            _env_error(parser, f"{name}={value!r}: not a valid {kind} for {longs[0]} ({exc})")
+        if action.choices is not None and converted not in action.choices:
+            _env_error(parser, f"{name}={value!r}: {longs[0]} must be one of {', '.join(map(str, action.choices))}")
+        action.default = converted
+
+
+def _env_error(parser: argparse.ArgumentParser, message: str) -> None:
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def setup_logging(name: str, level: str = "INFO") -> None:

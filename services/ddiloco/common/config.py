@@ -126,7 +126,7 @@ class RunConfig:
     run_id: str = "run"
     learners: int = 4  # M: the number of learners (and data shards) the run is planned for
     fragments: int = 1  # P: parameter fragments, each synced on its own staggered schedule
-    max_seconds: float = 180.0  # training budget, from the moment the first learner joins
+    max_seconds: float = 150.0  # training budget, from the moment the first learner joins
     max_tokens: int = 0  # 0: no token budget
     seed: int = 0
     heartbeat_interval_s: float = 1.0

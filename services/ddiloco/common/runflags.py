@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import pathlib
 
+from ddiloco.common.cliargs import duration
 from ddiloco.common.config import MODEL_PRESETS, RunConfig
 from ddiloco.common.codec import CODECS
 
@@ -14,7 +16,7 @@ from ddiloco.common.codec import CODECS
 _FLAGS: list[tuple[str, str, type, str]] = [
     ("--run-id", "run_id", str, "run identifier"),
     ("--learners", "learners", int, "M: number of learners (and data shards)"),
-    ("--max-seconds", "max_seconds", float, "training budget in seconds, from the first learner's arrival"),
+    ("--max-seconds", "max_seconds", duration, "training budget (600, 600s, 10m, 1.5h), from the first learner's arrival"),
     ("--max-tokens", "max_tokens", int, "token budget across learners (0: none)"),
     ("--seed", "seed", int, "seed of the initial model"),
     ("--data", "data.path", str, "train on this text file or folder instead of the built-in corpus"),
@@ -60,9 +62,21 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         "--no-align-windows", action="store_true", default=None,
         help="learners keep windows of exactly H steps (no phase alignment with their peers)",
     )
+    defaults = RunConfig()
     for flag, dest, typ, help_ in _FLAGS:
         metavar = flag.lstrip("-").replace("-", "_").upper()
+        # the default stays None (flag not given: the --config file or RunConfig decides);
+        # the help shows what RunConfig gives when neither sets it
+        shown = _lookup(defaults, dest)
+        help_ = f"{help_} (default: {shown if shown != '' else 'none'})"
         group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_, metavar=metavar)
+
+
+def _lookup(cfg: RunConfig, dest: str):
+    target = cfg
+    for part in dest.split("."):
+        target = getattr(target, part)
+    return target
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -96,6 +110,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         raise SystemExit("--fragments must be at least 1")
     if cfg.learners < 1:
         raise SystemExit("--learners must be at least 1")
+    if not (0 < cfg.max_seconds < math.inf):
+        raise SystemExit(f"--max-seconds must be a positive, finite duration, got {cfg.max_seconds}")
     if not 1 <= cfg.learner.max_coalesce_windows <= 1024:
         raise SystemExit(f"--max-coalesce-windows must be 1 to 1024, got {cfg.learner.max_coalesce_windows}")
     if getattr(args, "init_from", None) is not None:

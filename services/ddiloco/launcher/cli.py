@@ -56,8 +56,6 @@ def main(args: argparse.Namespace) -> int:
         raise
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = args.cfg_learners if args.cfg_learners is not None else 4
-    if args.cfg_max_seconds is None and args.config is None:
-        args.cfg_max_seconds = 150.0  # default main job: about 3 minutes end to end on 2 cores
     slow = {}
     for item in args.slow:
         try:

@@ -1,0 +1,64 @@
+"""Flags and their environment variables: every bad value is one error line and exit code
+2, before anything is created; --help names each variable and each run flag's default;
+durations take one form everywhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.common.cliargs import duration
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, f"more than one line: {err!r}"
+    return err
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("DDILOCO_SYNC", "ture", "DDILOCO_SYNC='ture': expected one of 1/true/yes/on or 0/false/no/off"),
+    ("DDILOCO_LEARNERS", "four", "DDILOCO_LEARNERS='four': not a valid int for --learners"),
+    ("DDILOCO_MODEL", "huge", "DDILOCO_MODEL='huge': --model must be one of"),
+    ("DDILOCO_MAX_SECONDS", "soon", "DDILOCO_MAX_SECONDS='soon': not a valid duration for --max-seconds"),
+])
+def test_a_bad_environment_value_is_one_error_line_and_exit_2(monkeypatch, capsys, tmp_path, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["coordinator", "--run-dir", str(tmp_path / "never")])
+    assert exc.value.code == 2
+    assert _error_line(capsys).startswith(f"ddiloco coordinator: error: {message}")
+    assert not (tmp_path / "never").exists()
+
+
+def test_an_empty_environment_value_counts_as_unset(monkeypatch, capsys):
+    monkeypatch.setenv("DDILOCO_LEARNERS", "")
+    with pytest.raises(SystemExit) as exc:
+        main(["coordinator", "--help"])
+    assert exc.value.code == 0
+
+
+def test_help_names_each_variable_and_each_run_flags_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "[env DDILOCO_MAX_SECONDS]" in text and "[env DDILOCO_OUT]" in text
+    assert "(default: 150.0)" in text  # --max-seconds: the same default for run and coordinator
+    assert "(default: 0.7)" in text  # --outer-lr
+
+
+def test_durations_take_one_form_everywhere():
+    assert duration("600") == duration("600s") == duration("10m") == 600.0
+    assert duration("1.5h") == 5400.0 and duration("500ms") == 0.5
+    with pytest.raises(ValueError, match="not a duration"):
+        duration("10 minutes")
+
+
+def test_ddiloco_run_refuses_a_bad_run_flag_before_creating_anything(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["run", "--model", "tiny", "--codec", "int3", "--out", str(out)]) == 2
+    assert _error_line(capsys).startswith("ddiloco run: error: --codec must be one of")
+    assert not out.exists()
+    assert main(["run", "--model", "tiny", "--max-seconds", "0", "--out", str(out)]) == 2
+    assert "--max-seconds must be a positive, finite duration" in _error_line(capsys)
+    assert not out.exists()
