@@ -90,3 +90,38 @@ def test_the_coalescing_bound_defaults_to_the_staleness_bound_and_is_a_run_flag(
     for bad in ("0", "1025"):
         with pytest.raises(SystemExit, match="--max-coalesce-windows must be 1 to 1024"):
             run_config_from_args(parser.parse_args(["--max-coalesce-windows", bad]))
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"learners": "4"}', "learners must be int, got '4'"),
+    ('{"outer": {"lr": "fast"}}', "outer.lr must be float, got 'fast'"),
+    ('{"learner": {"sync": "yes"}}', "learner.sync must be bool, got 'yes'"),
+    ('{"learner": 3}', "learner must be an object"),
+    ('{"learnerz": 4}', "unknown RunConfig keys: ['learnerz']"),
+])
+def test_a_config_file_with_a_wrong_value_is_refused_by_name(text, message):
+    with pytest.raises(ValueError) as exc:
+        RunConfig.from_json(text)
+    assert message in str(exc.value)
+
+
+def test_an_int_where_a_float_belongs_is_accepted():
+    assert RunConfig.from_json('{"max_seconds": 60}').max_seconds == 60.0
+
+
+def test_a_bad_config_file_is_one_error_for_the_cli(tmp_path):
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    with pytest.raises(SystemExit, match="cannot read it"):
+        run_config_from_args(parser.parse_args(["--config", str(tmp_path / "missing.json")]))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"learners": "4"}')
+    with pytest.raises(SystemExit, match="learners must be int"):
+        run_config_from_args(parser.parse_args(["--config", str(bad)]))
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match=r"--config .*bad.json: Expecting property name"):
+        run_config_from_args(parser.parse_args(["--config", str(bad)]))

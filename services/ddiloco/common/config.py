@@ -158,8 +158,12 @@ class RunConfig:
 T = typing.TypeVar("T")
 
 
-def from_dict(cls: type[T], data: dict) -> T:
-    """Build a (nested) dataclass from a dict, refusing unknown keys."""
+def from_dict(cls: type[T], data: dict, where: str = "") -> T:
+    """Build a (nested) dataclass from a dict, refusing unknown keys and values of the wrong
+    type (``{"learners": "4"}`` is an error, not a string where a number belongs); an int
+    is accepted where a float is expected, as JSON writes ``2.0`` as ``2`` in some tools."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or cls.__name__} must be an object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - names
@@ -168,7 +172,12 @@ def from_dict(cls: type[T], data: dict) -> T:
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            value = from_dict(hint, value)
+        path = f"{where}.{key}" if where else key
+        if dataclasses.is_dataclass(hint):
+            value = from_dict(hint, value, path)
+        elif hint is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif hint in (int, float, str, bool) and (type(value) is not hint):
+            raise ValueError(f"{path} must be {hint.__name__}, got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)  # type: ignore[call-arg]

@@ -80,7 +80,7 @@ def _lookup(cfg: RunConfig, dest: str):
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig.from_json(args.config.read_text()) if args.config else RunConfig()
+    cfg = _config_file(args.config) if args.config else RunConfig()
     if args.model:
         cfg.model = copy.deepcopy(MODEL_PRESETS[args.model])
     if args.sync:
@@ -124,6 +124,17 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         except SourceError as exc:
             raise SystemExit(f"--init-from: {exc}") from None
     return cfg
+
+
+def _config_file(path: pathlib.Path) -> RunConfig:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SystemExit(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        return RunConfig.from_json(text)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"--config {path}: {exc}") from None
 
 
 def forward_run_flags(args: argparse.Namespace) -> list[str]:
