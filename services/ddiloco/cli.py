@@ -30,6 +30,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line, ``ddiloco <cmd>: error: <what and what is allowed>``, and exit
+    code 2 (``--help`` has the usage)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: ddiloco <command> [options]", "", "commands:"]
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddiloco: command {name!r} is not available in this build", file=sys.stderr)
             return 2
         raise
-    parser = argparse.ArgumentParser(prog=f"ddiloco {name}", description=desc)
+    parser = OneLineErrors(prog=f"ddiloco {name}", description=desc)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     return int(module.main(args) or 0)

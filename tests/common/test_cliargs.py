@@ -56,9 +56,35 @@ def test_durations_take_one_form_everywhere():
 
 def test_ddiloco_run_refuses_a_bad_run_flag_before_creating_anything(tmp_path, capsys):
     out = tmp_path / "never"
-    assert main(["run", "--model", "tiny", "--codec", "int3", "--out", str(out)]) == 2
-    assert _error_line(capsys).startswith("ddiloco run: error: --codec must be one of")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--model", "tiny", "--codec", "int3", "--out", str(out)])
+    assert exc.value.code == 2
+    assert _error_line(capsys).startswith("ddiloco run: error: argument --codec: invalid choice: 'int3'")
+    assert not out.exists()
+    assert main(["run", "--model", "tiny", "--learners", "0", "--out", str(out)]) == 2
+    assert _error_line(capsys) == "ddiloco run: error: --learners must be at least 1"
     assert not out.exists()
     assert main(["run", "--model", "tiny", "--max-seconds", "0", "--out", str(out)]) == 2
     assert "--max-seconds must be a positive, finite duration" in _error_line(capsys)
     assert not out.exists()
+
+
+def test_choices_are_choices_and_a_bad_flag_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["coordinator", "--merge-rule", "median"])
+    assert exc.value.code == 2
+    line = _error_line(capsys)
+    assert line.startswith("ddiloco coordinator: error: argument --merge-rule: invalid choice: 'median'")
+    assert "weighted" in line
+
+
+def test_sync_without_a_quorum_waits_for_every_learner():
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6"])).outer.quorum == 6
+    assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6", "--quorum", "3"])).outer.quorum == 3
+    assert run_config_from_args(parser.parse_args(["--learners", "6"])).outer.quorum == 1

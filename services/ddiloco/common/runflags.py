@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import pathlib
 
@@ -69,7 +70,20 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         # the help shows what RunConfig gives when neither sets it
         shown = _lookup(defaults, dest)
         help_ = f"{help_} (default: {shown if shown != '' else 'none'})"
-        group.add_argument(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_, metavar=metavar)
+        choices = _CHOICES.get(flag)
+        group.add_argument(
+            flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_,
+            metavar=metavar if choices is None else None, choices=choices,
+        )
+
+
+def _merge_rules() -> tuple[str, ...]:
+    from ddiloco.common.merge import MERGE_RULES
+
+    return tuple(MERGE_RULES)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {"--codec": tuple(CODECS), "--merge-rule": _merge_rules()}
 
 
 def _lookup(cfg: RunConfig, dest: str):
@@ -100,6 +114,10 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         for part in path:
             target = getattr(target, part)
         setattr(target, leaf, value)
+    if args.sync and args.cfg_outer__quorum is None and not (args.config and "quorum" in _json_section(args.config, "outer")):
+        # synchronous DiLoCo merges every learner's window of a round together: quorum M
+        # unless a quorum was set (quorum 1 would merge each window alone)
+        cfg.outer.quorum = cfg.learners
     if cfg.learner.codec not in CODECS:
         raise SystemExit(f"--codec must be one of {CODECS}, got {cfg.learner.codec!r}")
     from ddiloco.common.merge import MERGE_RULES
@@ -124,6 +142,11 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         except SourceError as exc:
             raise SystemExit(f"--init-from: {exc}") from None
     return cfg
+
+
+def _json_section(path: pathlib.Path, section: str) -> dict:
+    value = json.loads(path.read_text()).get(section, {})  # the file parsed once already
+    return value if isinstance(value, dict) else {}
 
 
 def _config_file(path: pathlib.Path) -> RunConfig:
