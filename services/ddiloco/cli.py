@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("ddiloco.launcher.cli", "train: coordinator, outer optimizer and N learners as local processes"),
+    "config": ("ddiloco.launcher.config_cmd", "print the effective run configuration of these flags (validated, as JSON)"),
     "coordinator": ("ddiloco.coordinator.cli", "serve the coordinator (membership, leases, run config)"),
     "outer": ("ddiloco.outer.cli", "serve the outer optimizer (global parameters, merges, checkpoints)"),
     "learner": ("ddiloco.learner.cli", "run one learner (inner AdamW loop, uploads pseudo-gradients)"),

@@ -88,3 +88,18 @@ def test_sync_without_a_quorum_waits_for_every_learner():
     assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6"])).outer.quorum == 6
     assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6", "--quorum", "3"])).outer.quorum == 3
     assert run_config_from_args(parser.parse_args(["--learners", "6"])).outer.quorum == 1
+
+
+def test_config_print_writes_the_effective_configuration_a_config_file_takes(monkeypatch, capsys, tmp_path):
+    import json
+
+    from ddiloco.common.config import RunConfig
+
+    monkeypatch.setenv("DDILOCO_INNER_STEPS", "30")
+    assert main(["config", "--print", "--model", "tiny", "--learners", "8", "--sync", "--max-seconds", "10m"]) == 0
+    text = capsys.readouterr().out
+    cfg = RunConfig.from_json(text)
+    assert (cfg.learners, cfg.learner.inner_steps, cfg.learner.sync, cfg.outer.quorum, cfg.max_seconds) == (8, 30, True, 8, 600.0)
+    (tmp_path / "run.json").write_text(text)
+    assert main(["config", "--config", str(tmp_path / "run.json")]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(text)
