@@ -4,14 +4,19 @@ disconnect and reconnect of a dedicated tiny container (a counter loop in the lo
 so every fault also lands in a metrics log. Discovery of a Compose project's containers is
 checked on containers carrying Compose's labels.
 
-Skipped, saying why, when the Docker SDK is missing or no engine answers (docker/engine.sh
-start runs one). Nothing here sends traffic to a container: connectivity is read from the
-container's own interfaces."""
+As root, the engine and images are set up here when missing (``docker/engine.sh up``, as
+``tests/docker`` does; these tests run first), so the README's test command runs them too;
+a daemon started here is stopped after this module. Skipped, saying why, without root and
+without an engine (failed instead under ``CI=true``). Nothing here sends traffic to a
+container: connectivity is read from the container's own interfaces."""
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -26,20 +31,41 @@ IMAGES = ("ddiloco-base:bookworm", "ddiloco:latest")
 LOOP = "import time,itertools\nfor i in itertools.count():\n    print(i, flush=True)\n    time.sleep(0.1)\n"
 
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "docker"))
+from docker_helpers import ENGINE, docker_up, skip_or_fail  # noqa: E402
+
+
+def _images(c) -> set[str]:
+    return {t for img in c.images.list() for t in img.tags}
+
+
 @pytest.fixture(scope="module")
 def engine():
+    was_up = docker_up()
+    started = False
+    ready = False
+    if was_up:
+        try:
+            ready = any(i in _images(client()) for i in IMAGES)
+        except DockerUnavailable:
+            ready = False
+    if not ready and os.geteuid() == 0:
+        # cold this takes a few minutes (engine, base image, project image); warm, seconds
+        proc = subprocess.run(["bash", str(ENGINE), "up"], capture_output=True, text=True, timeout=1500)
+        if proc.returncode != 0:
+            skip_or_fail(f"no Docker engine could be set up (docker/engine.sh up exited {proc.returncode}): "
+                         f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}")
+        started = not was_up
     try:
         c = client()
     except DockerUnavailable as exc:
-        print(f"skipping the Docker backend tests: {exc}")
-        pytest.skip(str(exc))
-    names = {t for img in c.images.list() for t in img.tags}
-    image = next((i for i in IMAGES if i in names), None)
+        skip_or_fail(f"the Docker backend tests need an engine: {exc}")
+    image = next((i for i in IMAGES if i in _images(c)), None)
     if image is None:
-        msg = f"none of the images {IMAGES} is built here (docker/engine.sh prepare builds them)"
-        print(f"skipping the Docker backend tests: {msg}")
-        pytest.skip(msg)
-    return c, image
+        skip_or_fail(f"none of the images {IMAGES} is built here (docker/engine.sh up builds them)")
+    yield c, image
+    if started:
+        subprocess.run(["bash", str(ENGINE), "stop"], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture
