@@ -103,3 +103,15 @@ def test_config_print_writes_the_effective_configuration_a_config_file_takes(mon
     (tmp_path / "run.json").write_text(text)
     assert main(["config", "--config", str(tmp_path / "run.json")]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(text)
+
+
+def test_dp_lists_only_the_run_flags_it_reads(capsys):
+    with pytest.raises(SystemExit):
+        main(["dp", "--help"])
+    text = capsys.readouterr().out
+    assert "--batch-size" in text and "--max-tokens" in text and "--learners" in text
+    for diloco_only in ("--quorum", "--codec", "--outer-lr", "--sync", "--fragments", "--merge-rule", "--init-from"):
+        assert diloco_only not in text, diloco_only
+    with pytest.raises(SystemExit) as exc:
+        main(["dp", "--quorum", "3"])
+    assert exc.value.code == 2 and "unrecognized arguments: --quorum 3" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import sys
 import time
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
-from ddiloco.common.runflags import add_run_flags, forward_run_flags, run_config_from_args
+from ddiloco.common.runflags import DP_FLAGS, add_run_flags, forward_run_flags, run_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="training device (auto: cuda if present)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     parser.add_argument("--collective-timeout", type=float, default=600.0, help="seconds before a missing peer fails an all-reduce")
-    add_run_flags(parser)
+    add_run_flags(parser, only=DP_FLAGS)
     parser.epilog = (
         "--max-tokens is the total across ranks; the per-rank batch is --batch-size, so the global batch is "
         "W x --batch-size. --learners is ignored: the number of shards is --world-size. --inner-steps only "

@@ -42,27 +42,35 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 ]
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
+# the run flags the data-parallel baseline reads (``ddiloco dp`` lists only these; the
+# others configure DiLoCo's learners and outer optimizer). --learners and --inner-steps are
+# accepted so that one flag set serves both kinds of run: dp ignores the first (its shards
+# are --world-size) and logs its training loss every --inner-steps steps.
+DP_FLAGS = frozenset({
+    "--config", "--model", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
+    "--data-bytes", "--inner-steps", "--batch-size", "--lr", "--eval-interval",
+})
+
+
+def add_run_flags(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
+    """The run configuration flags; ``only``: just these (e.g. ``DP_FLAGS``)."""
     group = parser.add_argument_group("run configuration")
-    group.add_argument("--config", type=pathlib.Path, default=None, help="start from this RunConfig JSON")
-    group.add_argument("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
-    group.add_argument("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
-    group.add_argument(
-        "--naive-merge", action="store_true", default=None,
-        help="apply a full synchronous outer step per arrival (diverges; for comparison only)",
-    )
-    group.add_argument(
-        "--dynamic-local-updates", action="store_true", default=None,
-        help="slower learners sync after proportionally fewer inner steps",
-    )
-    group.add_argument(
-        "--init-from", type=pathlib.Path, default=None, metavar="PATH",
-        help="warm start: the global model starts from this run folder, checkpoint folder or `ddiloco export` file",
-    )
-    group.add_argument(
-        "--no-align-windows", action="store_true", default=None,
-        help="learners keep windows of exactly H steps (no phase alignment with their peers)",
-    )
+
+    def add(flag: str, **kw) -> None:
+        if only is None or flag in only:
+            group.add_argument(flag, **kw)
+
+    add("--config", type=pathlib.Path, default=None, help="start from this RunConfig JSON")
+    add("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
+    add("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
+    add("--naive-merge", action="store_true", default=None,
+        help="apply a full synchronous outer step per arrival (diverges; for comparison only)")
+    add("--dynamic-local-updates", action="store_true", default=None,
+        help="slower learners sync after proportionally fewer inner steps")
+    add("--init-from", type=pathlib.Path, default=None, metavar="PATH",
+        help="warm start: the global model starts from this run folder, checkpoint folder or `ddiloco export` file")
+    add("--no-align-windows", action="store_true", default=None,
+        help="learners keep windows of exactly H steps (no phase alignment with their peers)")
     defaults = RunConfig()
     for flag, dest, typ, help_ in _FLAGS:
         metavar = flag.lstrip("-").replace("-", "_").upper()
@@ -71,10 +79,8 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         shown = _lookup(defaults, dest)
         help_ = f"{help_} (default: {shown if shown != '' else 'none'})"
         choices = _CHOICES.get(flag)
-        group.add_argument(
-            flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_,
-            metavar=metavar if choices is None else None, choices=choices,
-        )
+        add(flag, dest="cfg_" + dest.replace(".", "__"), type=typ, default=None, help=help_,
+            metavar=metavar if choices is None else None, choices=choices)
 
 
 def _merge_rules() -> tuple[str, ...]:
@@ -94,6 +100,7 @@ def _lookup(cfg: RunConfig, dest: str):
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    args = _with_absent_flags(args)
     cfg = _config_file(args.config) if args.config else RunConfig()
     if args.model:
         cfg.model = copy.deepcopy(MODEL_PRESETS[args.model])
@@ -144,6 +151,14 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return cfg
 
 
+def _with_absent_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every run flag a parser did not define (``add_run_flags(only=...)``) as
+    not given (None)."""
+    names = ["config", "model", "sync", "naive_merge", "dynamic_local_updates", "init_from", "no_align_windows"]
+    names += ["cfg_" + dest.replace(".", "__") for _, dest, _, _ in _FLAGS]
+    return argparse.Namespace(**{**{n: None for n in names}, **vars(args)})
+
+
 def _json_section(path: pathlib.Path, section: str) -> dict:
     value = json.loads(path.read_text()).get(section, {})  # the file parsed once already
     return value if isinstance(value, dict) else {}
@@ -162,6 +177,7 @@ def _config_file(path: pathlib.Path) -> RunConfig:
 
 def forward_run_flags(args: argparse.Namespace) -> list[str]:
     """Re-emit the run flags that were given, for a child coordinator process."""
+    args = _with_absent_flags(args)
     out: list[str] = []
     if args.config:
         out += ["--config", str(args.config)]
