@@ -62,7 +62,7 @@ def test_ddiloco_run_refuses_a_bad_run_flag_before_creating_anything(tmp_path, c
     assert _error_line(capsys).startswith("ddiloco run: error: argument --codec: invalid choice: 'int3'")
     assert not out.exists()
     assert main(["run", "--model", "tiny", "--learners", "0", "--out", str(out)]) == 2
-    assert _error_line(capsys) == "ddiloco run: error: --learners must be at least 1"
+    assert _error_line(capsys) == "ddiloco run: error: --learners must be an integer from 1 to 1,000,000, got 0"
     assert not out.exists()
     assert main(["run", "--model", "tiny", "--max-seconds", "0", "--out", str(out)]) == 2
     assert "--max-seconds must be a positive, finite duration" in _error_line(capsys)
@@ -115,3 +115,33 @@ def test_dp_lists_only_the_run_flags_it_reads(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["dp", "--quorum", "3"])
     assert exc.value.code == 2 and "unrecognized arguments: --quorum 3" in capsys.readouterr().err
+
+
+def _bad_values():
+    """For every rule with a flag, a value of the right type that the run cannot use."""
+    from ddiloco.common.config_rules import RULES
+
+    bad = {"--max-seconds": "0", "--block-size": "3", "--outer-momentum": "1.0", "--max-coalesce-windows": "2000",
+           "--seed": "-1", "--learners": "0", "--fragments": "0", "--max-tokens": "-5", "--overlap-steps": "-1"}
+    for path, flag, _, allowed in RULES:
+        if flag is not None:
+            yield flag, bad.get(flag, "-1"), allowed
+
+
+@pytest.mark.parametrize("flag,value,allowed", list(_bad_values()))
+def test_every_run_flag_with_a_value_the_run_cannot_use_is_one_error_and_creates_nothing(tmp_path, capsys, flag, value, allowed):
+    out = tmp_path / "never"
+    assert main(["run", "--model", "tiny", flag, value, "--out", str(out)]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"ddiloco run: error: {flag} must be {allowed}"), line
+    assert not out.exists()
+
+
+def test_a_model_whose_width_does_not_split_into_its_heads_is_refused(tmp_path):
+    from ddiloco.common.config import RunConfig
+    from ddiloco.common.config_rules import problems
+
+    cfg = RunConfig()
+    cfg.model.d_model, cfg.model.n_head = 100, 3
+    assert problems(cfg) == ["model.d_model (100) must be a multiple of model.n_head (3)"]
+    assert problems(RunConfig()) == []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import pathlib
 
 from ddiloco.common.cliargs import duration
@@ -131,14 +130,11 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
 
     if cfg.outer.merge_rule not in MERGE_RULES:
         raise SystemExit(f"--merge-rule must be one of {MERGE_RULES}, got {cfg.outer.merge_rule!r}")
-    if cfg.fragments < 1:
-        raise SystemExit("--fragments must be at least 1")
-    if cfg.learners < 1:
-        raise SystemExit("--learners must be at least 1")
-    if not (0 < cfg.max_seconds < math.inf):
-        raise SystemExit(f"--max-seconds must be a positive, finite duration, got {cfg.max_seconds}")
-    if not 1 <= cfg.learner.max_coalesce_windows <= 1024:
-        raise SystemExit(f"--max-coalesce-windows must be 1 to 1024, got {cfg.learner.max_coalesce_windows}")
+    from ddiloco.common.config_rules import problems
+
+    found = problems(cfg)
+    if found:
+        raise SystemExit(found[0])
     if getattr(args, "init_from", None) is not None:
         cfg.init_from = str(args.init_from.resolve())
     if cfg.init_from:

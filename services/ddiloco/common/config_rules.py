@@ -1,0 +1,100 @@
+"""What every number of a run configuration may be, checked in one place.
+
+``problems(cfg)`` lists, for every value outside what the run can use, one message naming
+the value (by its flag where it has one) and what is allowed. The CLI refuses a
+configuration with any problem before anything starts (``common/runflags.py``), whether
+the value came from a flag, an environment variable or a ``--config`` file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ddiloco.common.config import RunConfig
+
+MAX_LEARNERS = 1_000_000  # learner ids live in [0, 2M) (coordinator); shards are one per learner
+MAX_FRAGMENTS = 1024
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pos(x) -> bool:
+    return _finite(x) and x > 0
+
+
+def _nonneg(x) -> bool:
+    return _finite(x) and x >= 0
+
+
+def _between(lo, hi, lo_open=False, hi_open=False) -> Callable[[float], bool]:
+    def ok(x) -> bool:
+        return _finite(x) and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
+    return ok
+
+
+# (path in RunConfig, its flag or None, the rule, what is allowed)
+RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
+    ("learners", "--learners", _between(1, MAX_LEARNERS), f"an integer from 1 to {MAX_LEARNERS:,}"),
+    ("fragments", "--fragments", _between(1, MAX_FRAGMENTS), f"an integer from 1 to {MAX_FRAGMENTS}"),
+    ("max_seconds", "--max-seconds", _pos, "a positive, finite duration"),
+    ("max_tokens", "--max-tokens", _nonneg, "0 (no token budget) or a positive number of tokens"),
+    ("seed", "--seed", _between(0, 2**63 - 1), "an integer from 0 to 2^63 - 1"),
+    ("heartbeat_interval_s", None, _pos, "a positive number of seconds"),
+    ("lease_timeout_s", "--lease-timeout", _pos, "a positive number of seconds, more than the heartbeat interval"),
+    ("drain_timeout_s", None, _pos, "a positive number of seconds"),
+    ("model.n_layer", None, _between(1, 1024), "an integer from 1 to 1024"),
+    ("model.n_head", None, _between(1, 1024), "an integer from 1 to 1024"),
+    ("model.d_model", None, _between(1, 1 << 16), "an integer from 1 to 65536, a multiple of model.n_head"),
+    ("model.context", None, _between(2, 1 << 16), "an integer from 2 to 65536"),
+    ("model.dropout", None, _between(0, 1, hi_open=True), "a fraction in [0, 1)"),
+    ("data.max_bytes", "--data-bytes", _pos, "a positive number of bytes"),
+    ("data.eval_every_nth_doc", None, _between(2, 1 << 20), "an integer of at least 2"),
+    ("data.eval_windows", None, _between(1, 1 << 20), "an integer from 1 to 1048576"),
+    ("learner.batch_size", "--batch-size", _between(1, 1 << 16), "an integer from 1 to 65536"),
+    ("learner.inner_steps", "--inner-steps", _between(1, 1 << 20), "an integer from 1 to 1048576"),
+    ("learner.lr", "--lr", _pos, "a positive, finite learning rate"),
+    ("learner.weight_decay", None, _nonneg, "a non-negative number"),
+    ("learner.warmup_steps", None, _nonneg, "a non-negative number of steps"),
+    ("learner.grad_clip", None, _pos, "a positive number"),
+    ("learner.block_size", "--block-size", lambda x: _between(2, 1 << 20)(x) and x % 2 == 0, "an even integer from 2 to 1048576"),
+    ("learner.chunk_bytes", None, _between(1024, 64 << 20), "from 1 KiB to 64 MiB"),
+    ("learner.pull_poll_s", None, _pos, "a positive number of seconds"),
+    ("learner.max_coalesce_windows", "--max-coalesce-windows", _between(1, 1024), "1 to 1024"),
+    ("outer.lr", "--outer-lr", _pos, "a positive, finite learning rate"),
+    ("outer.momentum", "--outer-momentum", _between(0, 1, hi_open=True), "a fraction in [0, 1)"),
+    ("outer.quorum", "--quorum", _between(1, MAX_LEARNERS), "an integer of at least 1"),
+    ("outer.staleness_gain", "--staleness-gain", _nonneg, "a non-negative number"),
+    ("outer.overlap_steps", "--overlap-steps", _nonneg, "0 (= H) or a positive number of steps"),
+    ("outer.grace_gamma", None, _between(0, 1), "a fraction in [0, 1]"),
+    ("outer.max_grace_s", None, _nonneg, "0 (= the lease timeout) or a positive number of seconds"),
+    ("outer.max_staleness_rounds", "--max-staleness", _pos, "a positive number of rounds"),
+    ("outer.checkpoint_every", "--checkpoint-every", _between(1, 1 << 30), "an integer of at least 1"),
+    ("outer.eval_interval_s", "--eval-interval", _pos, "a positive number of seconds"),
+    ("outer.max_delta_bytes", None, _between(1024, 1 << 40), "from 1 KiB to 1 TiB"),
+]
+
+
+def value_at(cfg: RunConfig, path: str):
+    target = cfg
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def problems(cfg: RunConfig) -> list[str]:
+    """One message per value the run cannot use (empty: the configuration is usable)."""
+    out = []
+    for path, flag, ok, allowed in RULES:
+        value = value_at(cfg, path)
+        if not ok(value):
+            out.append(f"{flag or path} must be {allowed}, got {value!r}")
+    if not out:
+        if cfg.model.d_model % cfg.model.n_head:
+            out.append(f"model.d_model ({cfg.model.d_model}) must be a multiple of model.n_head ({cfg.model.n_head})")
+        if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
+            out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
+                       f"({cfg.heartbeat_interval_s})")
+    return out
