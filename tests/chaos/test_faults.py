@@ -48,3 +48,12 @@ def test_schedules():
 def test_cli_refuses_bad_faults_before_starting_anything(argv, msg):
     proc = subprocess.run([sys.executable, "-m", "ddiloco", "chaos", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and msg in proc.stderr
+
+
+def test_cli_refuses_a_bad_run_flag_before_starting_anything(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "chaos", "--inner-steps", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "ddiloco chaos: error: --inner-steps must be an integer from 1 to 1048576, got 0"
+    assert not out.exists()

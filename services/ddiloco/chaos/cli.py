@@ -93,10 +93,17 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.run import LaunchOptions
     from ddiloco.launcher.topology import TopologyOptions
 
+    from ddiloco.common.runflags import run_config_from_args
+
+    try:
+        cfg = run_config_from_args(args)  # bad run flags fail here, before a folder or a process exists
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(f"ddiloco chaos: error: {exc.code}", file=sys.stderr)
+            return 2
+        raise
     out = args.out or pathlib.Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
-    if args.cfg_max_seconds is None and args.config is None:
-        args.cfg_max_seconds = 150.0
-    horizon = args.cfg_max_seconds if args.cfg_max_seconds is not None else 3600.0
+    horizon = cfg.max_seconds  # the run's budget: the schedule plays within it
     schedule = build_schedule(args, horizon)
     print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     learners = args.cfg_learners if args.cfg_learners is not None else 4
