@@ -70,5 +70,13 @@ def test_finalize_only_at_the_end_and_only_once(tmp_path):
         assert _count(cluster, "checkpoint") == checkpoints
         assert _checkpoints(cluster) == listing
         assert a.global_state() == state
+
+        # after the final merge a delta is refused, not acknowledged: it would never be merged
+        with pytest.raises(grpc.RpcError) as info:
+            a.push(seq=2, seed=2)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+        assert "finalized" in info.value.details()
+        assert a.global_state() == state
+        assert not list((cluster.out / "outer" / "journal").glob("*-0000000002.delta")), "nothing journaled"
     finally:
         cluster.stop_all(grace=10)

@@ -89,6 +89,7 @@ class Learner:
         self.device = pick_device(options.device)
         self.stats = Stats()
         self.phase = "starting"
+        self.train_started: float | None = None  # monotonic time the training loop began
         self.run_id = ""
         self.learner_id = -1
         self.drain = threading.Event()
@@ -284,7 +285,7 @@ class Learner:
         win_loss = [0.0] * nfrag
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
-        start = time.monotonic()
+        start = self.train_started = time.monotonic()
         step = 0
         step_wall: float | None = None  # running mean of wall seconds per step
         extended = [False] * nfrag  # the current window was already lengthened (alignment)
@@ -388,6 +389,13 @@ class Learner:
                     self._adapt_inner_steps()
                 except grpc.RpcError:
                     pass
+            if self.train_started is not None and self.phase == "training":
+                # wall time advances while the loop is blocked too (a synchronous learner
+                # waiting out an outer-optimizer outage): reported only from the loop, it
+                # jumped by the whole wait at the next step, beyond what the coordinator
+                # admits between two reports, and every later heartbeat was refused until
+                # the lease expired (live learners declared dead, the quorum collapsed)
+                self.stats.set(wall_seconds=time.monotonic() - self.train_started)
             req = coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb())
             try:
                 resp = self.coordinator.Heartbeat(req, timeout=5)
@@ -402,6 +410,9 @@ class Learner:
                 elif exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     log.info("coordinator refused heartbeat: %s", exc.details())
                     self.drain.set()
+                elif exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    # never silent: a refused report does not renew the lease
+                    log.warning("coordinator refused this heartbeat's report: %s", exc.details())
                 continue  # coordinator unreachable: keep training and uploading
             self._set_outer(resp.outer_address)
             if resp.state in STOP_STATES and not self.drain.is_set():

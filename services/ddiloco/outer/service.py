@@ -340,7 +340,7 @@ class OuterService:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"Finalize ends the run, but the coordinator reports it {coordinator_pb2.RunState.Name(run_state)}",
                 )
-            self.state.merge_all()
+            self.state.merge_all(close=True)
             _, loss, acc = self.evaluator.run_once()
             self.state.checkpoint()
             self._final = outer_pb2.FinalizeResponse(status=self.status(), final_eval_loss=loss, final_eval_accuracy=acc)

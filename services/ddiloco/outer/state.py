@@ -117,6 +117,9 @@ class Fragment:
     param_linf: list[float] | None = None
 
 
+CLOSED_MESSAGE = "the run is finalized: no delta is acknowledged or merged any more"
+
+
 class OuterState:
     def __init__(self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None) -> None:
         self.config = config
@@ -143,6 +146,7 @@ class OuterState:
         self._learner_locks: dict[int, threading.Lock] = {}
         self._merges_since_checkpoint = 0
         self._checkpoint_lock = threading.Lock()
+        self.closed = False  # finalized: deltas are refused, no longer acknowledged (merge_all)
         if state_dir is not None:
             (state_dir / "journal").mkdir(parents=True, exist_ok=True)
             (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -218,8 +222,13 @@ class OuterState:
                 with self.lock:
                     rec.refused += 1
                 raise
+            self._refuse_if_closed()
             journal_path = self._journal(header, payload)
             with self.lock:
+                if self.closed:  # finalized while this delta was being journaled: not acknowledged
+                    if journal_path is not None:
+                        journal_path.unlink(missing_ok=True)
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, CLOSED_MESSAGE)
                 rec.last_seq_accepted = header.seq
                 rec.accepted += 1
                 rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
@@ -453,10 +462,20 @@ class OuterState:
         }
         write_json(self.state_dir / "merges" / f"{record['version']:010d}.json", record)
 
-    def merge_all(self) -> None:
-        """Merge whatever is pending in every fragment, quorum or not (end of run)."""
+    def merge_all(self, close: bool = False) -> None:
+        """Merge whatever is pending in every fragment, quorum or not (end of run). With
+        ``close``, no delta is accepted any more, before the merge: every delta acknowledged
+        is in it, and none is acknowledged after it (it would never be merged)."""
+        if close:
+            with self.lock:
+                self.closed = True
         for frag in self.fragments:
             self.merge(frag.index, force=True)
+
+    def _refuse_if_closed(self) -> None:
+        with self.lock:
+            if self.closed:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, CLOSED_MESSAGE)
 
     def pending_count(self) -> int:
         with self.lock:
