@@ -41,8 +41,10 @@ def test_each_fragment_window_is_staggered_then_h_steps_long(run):
     later = expected[3:-3]
     assert later and all(steps == want for steps, want in later), later
     assert all(6 <= want <= 9 for _, want in later)
+    # fragments take turns, about 1/P of the model in flight: staggered at the start, then
+    # each in its turn (a window that alignment lengthened may let the next one overtake it)
     order = [w["fragment"] for w in windows[:9]]
-    assert order == [0, 1, 2] * 3  # fragments take turns: about 1/P of the model in flight
+    assert order[:3] == [0, 1, 2] and all(order.count(f) == 3 for f in range(3)), order
 
 
 def test_every_fragment_merges_and_has_its_own_version(run):
