@@ -102,14 +102,14 @@ class OuterConfig:
     # step, it raises the weight of the newest stale direction, and cost +9% eval loss at
     # M = 8 in bench/async_lab.py (docs/algorithm.md).
     staleness_gain: float = 0.0
-    # Grace window after the quorum: wait for more deltas at most gamma x slack, where slack
-    # is what the overlap leaves: overlap_steps x step time - (upload time + merge time).
-    # 0: H. Learners never wait for a merge: an early learner trains its next window
-    # meanwhile, and as long as the merge reaches it before that window ends its next delta
-    # is based on the merged version, so waiting costs it nothing. gamma = 0.5 keeps half of
-    # that slack for the download and for jitter.
+    # Grace window after the quorum: wait for more deltas at most gamma x the usable slack,
+    # the fastest learner's window (overlap_steps x its step time) less the upload, merge and
+    # download times and its window-length jitter (ddiloco.outer.timing). overlap_steps 0: H.
+    # Learners never wait for a merge: an early learner trains its next window meanwhile, and
+    # as long as the merge reaches it before that window ends its next delta is based on the
+    # merged version, so waiting costs it nothing. gamma < 1 closes the window earlier.
     overlap_steps: int = 0
-    grace_gamma: float = 0.5
+    grace_gamma: float = 1.0
     # An upper bound on the grace window in seconds; 0: the lease timeout (waiting longer
     # than a lease would wait on a learner that may already be dead).
     max_grace_s: float = 0.0

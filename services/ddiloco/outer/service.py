@@ -20,6 +20,7 @@ from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
 from ddiloco.outer.downloads import DownloadViews
+from ddiloco.outer.timing import SyncTiming
 from ddiloco.outer.state import OuterState
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
@@ -47,38 +48,6 @@ class OuterOptions:
     coordinator: str = "127.0.0.1:50051"
     run_dir: pathlib.Path | None = None
     exit_when_finished: bool = False
-
-
-class SyncTiming:
-    """Running estimates behind the adaptive grace window (exponential moving averages)."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self.step_s: float | None = None
-        self.push_s = 0.0
-        self.merge_s = 0.0
-        self._lock = threading.Lock()
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def observe_push(self, seconds: float, header) -> None:
-        with self._lock:
-            self.push_s = self._ema(self.push_s, seconds)
-            if header.compute_seconds > 0 and header.inner_steps > 0:
-                self.step_s = self._ema(self.step_s, header.compute_seconds / header.inner_steps)
-
-    def observe_merge(self, seconds: float) -> None:
-        with self._lock:
-            self.merge_s = self._ema(self.merge_s, seconds)
-
-    def grace_s(self, overlap_steps: int, gamma: float, cap: float) -> float:
-        """gamma x slack, slack = overlap x step time - (upload + merge time); 0 until known."""
-        with self._lock:
-            if self.step_s is None:
-                return 0.0
-            slack = overlap_steps * self.step_s - (self.push_s + self.merge_s)
-            return min(cap, max(0.0, gamma * slack))
 
 
 class KnownLearners:
@@ -170,7 +139,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             if header.run_id == svc.config.run_id:
                 svc.known.check(header.learner_id)
             version, discount = svc.state.accept(header, payload)
-            svc.timing.observe_push(time.monotonic() - t0, header)
+            svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
         except Refused as exc:
             svc.metrics.event("delta_refused", code=exc.code.name, reason=exc.message)
             context.abort(exc.code, exc.message)
@@ -193,6 +162,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def PullGlobal(self, request, context):
         svc = self.svc
+        t0 = time.monotonic()
         if request.run_id and request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
         if not 0 <= request.fragment < len(svc.state.fragments):
@@ -211,6 +181,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
         yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+        # the download is part of what a grace window must leave time for (outer/timing.py)
+        svc.timing.observe_pull(time.monotonic() - t0)
 
     def GetStatus(self, request, context):
         svc = self.svc

@@ -1,0 +1,75 @@
+"""How long the outer optimizer may hold a merge open for late learners (the grace window).
+
+Learners never wait for a merge: an early learner trains its next window while the merge
+waits for the others, and as long as the merged version reaches it before that window ends,
+its next delta is based on the merged version and the wait cost it nothing. So the window
+may last as long as the *fastest* live learner's window, less what must still happen after
+the merge closes and before that learner's window ends:
+
+    usable = overlap x step - (upload + merge + download) - jitter
+
+* ``step`` is the fastest learner's seconds per inner step (a slower learner's longer
+  window does not give the fast one more time), ``overlap`` the overlap in steps (default H);
+* ``upload`` is measured from the first byte of a delta to its acknowledgement; the quorum
+  starts counting when the first delta is acknowledged, so its upload is already spent;
+* ``merge`` and ``download`` are the running times of a merge and of serving a fragment;
+* ``jitter`` is how much that learner's window length deviates from its mean (the running
+  mean absolute deviation of its step time, times the overlap): a window that ends early by
+  that much must still find the merge done.
+
+Until then, the window was half of ``overlap x step - (upload + merge)``, a fixed share
+kept for download and jitter; with the tiny model's half-second windows on two cores it
+closed a median 53 ms before the last learner of a round arrived (docs/algorithm.md).
+All estimates are exponential moving averages; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class SyncTiming:
+    """Running estimates behind the grace window; ``grace_s`` is the rule above."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.push_s = 0.0
+        self.merge_s = 0.0
+        self.pull_s = 0.0
+        # per learner: running mean seconds per inner step, and its mean absolute deviation.
+        # Bounded by the learners the run has: callers validate the id before observing.
+        self.step_s: dict[int, float] = {}
+        self.step_dev_s: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_push(self, seconds: float, learner: int, compute_seconds: float, inner_steps: int) -> None:
+        with self._lock:
+            self.push_s = self._ema(self.push_s, seconds)
+            if compute_seconds > 0 and inner_steps > 0:
+                step = compute_seconds / inner_steps
+                old = self.step_s.get(learner)
+                if old is not None:
+                    self.step_dev_s[learner] = self._ema(self.step_dev_s.get(learner, 0.0), abs(step - old))
+                self.step_s[learner] = self._ema(old, step)
+
+    def observe_merge(self, seconds: float) -> None:
+        with self._lock:
+            self.merge_s = self._ema(self.merge_s, seconds)
+
+    def observe_pull(self, seconds: float) -> None:
+        with self._lock:
+            self.pull_s = self._ema(self.pull_s, seconds)
+
+    def grace_s(self, overlap_steps: int, gamma: float, cap: float) -> float:
+        """``gamma x usable`` (see the module), at most ``cap``; 0 until a step time is known."""
+        with self._lock:
+            if not self.step_s:
+                return 0.0
+            fastest = min(self.step_s, key=self.step_s.__getitem__)
+            window = overlap_steps * self.step_s[fastest]
+            jitter = overlap_steps * self.step_dev_s.get(fastest, 0.0)
+            usable = window - (self.push_s + self.merge_s + self.pull_s) - jitter
+            return min(cap, max(0.0, gamma * usable))
