@@ -14,6 +14,10 @@ does, so candidate rules can be compared one at a time.
 
 What it leaves out, on purpose: gRPC, the journal and checkpoints, fragments (P = 1), the
 uploader's coalescing (uploads here are faster than a window), leases and failures.
+Its grace window is the rule of the time of its findings, ``grace_gamma`` x (overlap x
+step - (upload + merge)), not the outer optimizer's current one (``ddiloco.outer.timing``):
+with one fixed step time and jitter the two differ only in how long a late learner is
+waited for, and the findings table stays reproducible.
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
