@@ -249,7 +249,12 @@ def run_rank(config: RunConfig, options: DPOptions) -> dict | None:
             timeout=datetime.timedelta(seconds=options.collective_timeout_s),
         )
     try:
-        return Trainer(config, options).train()
+        report = Trainer(config, options).train()
+        if options.world_size > 1:
+            # rank 0 evaluates after the others are done: wait for it, so that no rank tears
+            # its pairs down while a peer's last collective may still be using them
+            dist.barrier()
+        return report
     finally:
         if options.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
