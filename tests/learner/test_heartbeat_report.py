@@ -15,7 +15,10 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from ddiloco.common.config import RunConfig
+from ddiloco.coordinator.errors import InvalidArgument
 from ddiloco.coordinator.stats_rules import Bounds, check_report, stats_to_dict
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.worker import Learner
@@ -63,10 +66,6 @@ def test_wall_time_is_reported_as_it_is_while_the_loop_is_blocked():
 
 def test_a_jump_of_the_whole_wait_is_what_the_coordinator_refuses():
     """The former report: wall time frozen during a 12 s wait, then the jump."""
-    import pytest
-
-    from ddiloco.coordinator.errors import InvalidArgument
-
     bounds = Bounds.for_run(RunConfig())
     before = {"wall_seconds": 100.0}
     with pytest.raises(InvalidArgument, match="wall_seconds grew by"):

@@ -20,8 +20,8 @@ from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
 from ddiloco.outer.downloads import DownloadViews
-from ddiloco.outer.timing import SyncTiming
 from ddiloco.outer.state import OuterState
+from ddiloco.outer.timing import SyncTiming
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
