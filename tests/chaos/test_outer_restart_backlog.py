@@ -1,12 +1,14 @@
-"""An outer-optimizer restart leaves the model unharmed: the outer optimizer is frozen while
-the learners train on (their uploads queue and coalesce), then SIGKILLed and started again;
-the backlog, several rounds of work from one base, is merged so that the model moves no
-further than the learners themselves did. The eval loss after the restart never exceeds the
-last one before the kill by more than 1% (issue 10's target), and merging resumes.
+"""An outer-optimizer restart after a backlog, on real processes: the outer optimizer is frozen
+while the learners train on (their uploads queue and coalesce), then SIGKILLed and started
+again; it replays its journal, merges the backlog (several rounds of work from one base) and
+merging resumes, with no acknowledged delta lost or applied twice.
 
-The rule this checks is merge.WorkClockNesterov's backlog rule (one ordinary step for the
-first round, the rest at unit gain). The former rule, ceil(f) Nesterov substeps, took the
-eval loss of such a restart from 2.52 to 5.74."""
+The restart target (the eval loss after the restart never more than 1% above the eval at the
+kill) is checked deterministically in test_outer_restart_quality.py. Here the run is a second
+of training on the tiny model's unigram plateau, where two evaluations of a fault-free run
+differ by up to about 7%, so a 1% comparison would be a coin toss; this test bounds the eval
+loss after the restart at 25% above the kill's, which catches a backlog rule that blows the
+model up (the former rule, ceil(f) Nesterov substeps, took a restart from 2.52 to 5.74)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def _evals(s, after: float = 0.0):
     return [(e["t"], e["version"], e["eval_loss"]) for e in s.events("eval") if e.get("source") == "outer" and e["t"] > after]
 
 
-def test_a_restart_after_a_backlog_never_makes_the_model_worse(system_factory):  # noqa: F811
+def test_a_restart_after_a_backlog_replays_merges_the_backlog_and_resumes(system_factory):  # noqa: F811
     # room for 8 windows per delta (default 4), so the four windows awaited below always fit
     # behind whatever was queued when the freeze began
     s = system_factory(learners=2, flags=["--eval-interval", "0.5", "--checkpoint-every", "5", "--max-coalesce-windows", "8"])
@@ -52,7 +54,7 @@ def test_a_restart_after_a_backlog_never_makes_the_model_worse(system_factory): 
     before = [loss for _, v, loss in after if v == killed_at]
     assert before, f"no evaluation of version {killed_at}, the model at the kill: {after}"
     worst = max(loss for _, v, loss in after if v > killed_at)
-    assert worst <= before[0] * 1.01, f"eval loss {before[0]:.4f} at the kill, {worst:.4f} after it: {after}"
+    assert worst <= before[0] * 1.25, f"eval loss {before[0]:.4f} at the kill, {worst:.4f} after it: {after}"
     backlog = [e for e in s.events("merge") if e["t"] > t_kill][:3]
     assert any(e["fraction"] > 1.0 for e in backlog) or any(len(e["deltas"]) > 1 for e in backlog), (
         f"no backlog was merged after the restart: {backlog}"
