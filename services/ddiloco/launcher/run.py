@@ -25,6 +25,7 @@ class LaunchOptions:
     slowdown: dict[int, float] = field(default_factory=dict)
     learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
+    resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
     topology: TopologyOptions = field(default_factory=TopologyOptions)
 
@@ -34,6 +35,7 @@ class LaunchResult:
     report: dict | None
     failures: dict[str, int]
     out: pathlib.Path
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -45,9 +47,14 @@ class RunFolderInUse(Exception):
 
 
 def launch(options: LaunchOptions) -> LaunchResult:
-    if (options.out / "report.json").exists():
+    if options.resume:
+        from ddiloco.launcher.resume import set_aside_report
+
+        set_aside_report(options.out)  # the resumed run writes its own at the end
+    elif (options.out / "report.json").exists():
         # the coordinator would resume the finished run's state and refuse every learner
-        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out")
+        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out, or --resume it")
+    interrupted = False
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
     # the topology is torn down on leaving this block, however it is left (netns: also on
@@ -56,7 +63,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
         try:
             topology.start(options.out)
-            coordinator = cluster.start_coordinator(options.run_flags)
+            coordinator = cluster.start_coordinator(options.run_flags + (["--reopen"] if options.resume else []))
             cluster.start_outer()
             for i in range(options.learners):
                 extra = ["--device", options.device]
@@ -67,6 +74,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
             _supervise(cluster, coordinator, options)
             cluster.wait_all(timeout=60)
         except KeyboardInterrupt:
+            interrupted = True
             print("\ninterrupted: stopping services", file=sys.stderr)
         finally:
             cluster.stop_all()
@@ -74,7 +82,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
         report = json.loads(report_path.read_text()) if report_path.exists() else None
         topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
-    return LaunchResult(report, failures, options.out)
+    return LaunchResult(report, failures, options.out, interrupted)
 
 
 def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
