@@ -11,7 +11,9 @@
 #
 # Swarm and Kubernetes have no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until
 # each answers the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) or
-# JOB_COMPLETION_INDEX gives a replicated learner its datacenter index.
+# JOB_COMPLETION_INDEX gives a replicated learner its datacenter index, and with
+# DDILOCO_DATACENTER_FROM=replica (Compose, which has neither) its container name does:
+# <project>-<service>-<n> is datacenter n-1 (`ddiloco wan replica-index`).
 set -eu
 
 log() { echo "[entrypoint] $*" >&2; }
@@ -30,6 +32,10 @@ if [ -z "${DDILOCO_DATACENTER:-}" ]; then
         export DDILOCO_DATACENTER="dc$((DDILOCO_TASK_SLOT - 1))"
     elif [ -n "${JOB_COMPLETION_INDEX:-}" ]; then # a Kubernetes Indexed Job
         export DDILOCO_DATACENTER="dc$JOB_COMPLETION_INDEX"
+    elif [ "${DDILOCO_DATACENTER_FROM:-}" = replica ]; then # Compose deploy.replicas
+        # without its index a learner of wan-mixed would be shaped to another's rate: stop
+        index=$(ddiloco wan replica-index) || { log "cannot tell which replica this is"; exit 1; }
+        export DDILOCO_DATACENTER="dc$index"
     fi
 fi
 

@@ -1,6 +1,7 @@
-"""The real thing: `docker compose --profile wan up` with two learners and a short budget.
+"""The real thing: `DDILOCO_LEARNERS=2 docker compose --profile wan up` with a short budget.
 
-Asserts that every service became healthy, that each learner container's link carries
+Asserts that exactly two learner containers started, each knowing its datacenter from its
+replica number, that every service became healthy, that each learner container's link carries
 the wan profile's tc shaping (read back from the kernel inside the container), that the
 learner process then ran unprivileged, that the eval loss went down and that deltas from
 every learner were merged. Tears down with `docker compose down -v`.
@@ -21,7 +22,8 @@ PROJECT = "ddiloco-e2e"
 PROFILE = "wan"
 LEARNERS = 2
 BUDGET_S = 45
-SERVICES = ["coordinator", "outer"] + [f"learner-{i}-{PROFILE}" for i in range(LEARNERS)]
+LEARNER = f"learner-{PROFILE}"  # one service, DDILOCO_LEARNERS replicas
+SERVICES = ["coordinator", "outer", LEARNER]
 ENV = {
     "DDILOCO_LEARNERS": str(LEARNERS),
     "DDILOCO_MAX_SECONDS": str(BUDGET_S),
@@ -68,12 +70,17 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
     compose("up", "--detach", "--wait", "--wait-timeout", "420", *SERVICES, timeout=480)
     healthy_at = time.monotonic() - t0
 
-    ids = {s: container(s) for s in SERVICES}
-    for service, cid in ids.items():
+    ids = {s: container(s) for s in ("coordinator", "outer")}
+    replicas = compose("ps", "-a", "-q", LEARNER).stdout.split()
+    assert len(replicas) == LEARNERS, f"DDILOCO_LEARNERS={LEARNERS} started {len(replicas)} learner containers"
+    # replica n (its container number, from its name) is datacenter n-1
+    number = {cid: int(inspect(cid)["Config"]["Labels"]["com.docker.compose.container-number"]) for cid in replicas}
+    assert sorted(number.values()) == list(range(1, LEARNERS + 1))
+    for cid in [*ids.values(), *replicas]:
         state = inspect(cid)["State"]
         health = state.get("Health", {})
         passed = [h for h in health.get("Log", []) if h.get("ExitCode") == 0]
-        assert passed, f"{service} never passed its healthcheck: {health}"
+        assert passed, f"{cid} never passed its healthcheck: {health}"
         assert passed[-1]["Output"].strip().endswith("SERVING"), passed[-1]["Output"]
 
     # Health-gated order, from the daemon's event log (a container keeps only its last 5
@@ -84,29 +91,30 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
         "--filter", "type=container", "--filter", f"label=com.docker.compose.project={PROJECT}",
         "--filter", "event=start", "--filter", "event=health_status", "--format", "{{json .}}",
     ).stdout.splitlines() if line.strip()]
-    by_id = {cid: s for s, cid in ids.items()}
 
-    def when(service: str, action: str) -> int:
-        times = [e["timeNano"] for e in events if by_id.get(e["id"]) == service and e["Action"] == action]
-        assert times, f"no {action!r} event for {service}"
+    def when(cid: str, action: str) -> int:
+        times = [e["timeNano"] for e in events if e["id"] == cid and e["Action"] == action]
+        assert times, f"no {action!r} event for {cid}"
         return min(times)
 
-    assert when("outer", "start") >= when("coordinator", "health_status: healthy")
-    for i in range(LEARNERS):
-        assert when(f"learner-{i}-{PROFILE}", "start") >= when("outer", "health_status: healthy")
+    assert when(ids["outer"], "start") >= when(ids["coordinator"], "health_status: healthy")
+    for cid in replicas:
+        assert when(cid, "start") >= when(ids["outer"], "health_status: healthy")
 
-    for i in range(LEARNERS):
-        service = f"learner-{i}-{PROFILE}"
-        want = rate_for(PROFILE, i)
-        qdiscs = json.loads(compose("exec", "-T", service, "tc", "-j", "qdisc", "show", "dev", "eth0").stdout)
+    for cid, n in number.items():
+        exec_ = ("exec", "-T", "--index", str(n), LEARNER)
+        environ = compose(*exec_, "cat", "/proc/1/environ").stdout.split("\0")
+        assert f"DDILOCO_DATACENTER=dc{n - 1}" in environ, f"replica {n} did not take datacenter dc{n - 1}"
+        want = rate_for(PROFILE, n - 1)
+        qdiscs = json.loads(compose(*exec_, "tc", "-j", "qdisc", "show", "dev", "eth0").stdout)
         root = next(q for q in qdiscs if q.get("root"))
         assert root["kind"] == "tbf", qdiscs
-        assert int(root["options"]["rate"]) * 8 == want, f"{service}: tc shows {root}, profile wants {want} bit/s"
+        assert int(root["options"]["rate"]) * 8 == want, f"replica {n}: tc shows {root}, profile wants {want} bit/s"
         # the entrypoint dropped root and every capability before starting the learner
-        status = compose("exec", "-T", service, "cat", "/proc/1/status").stdout
+        status = compose(*exec_, "cat", "/proc/1/status").stdout
         uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
         cap_eff = next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:"))
-        assert uid != "0" and int(cap_eff, 16) == 0, f"{service} learner runs as uid {uid} with caps {cap_eff}"
+        assert uid != "0" and int(cap_eff, 16) == 0, f"replica {n}: learner runs as uid {uid} with caps {cap_eff}"
 
     # the coordinator exits 0 once the budget is spent, the learners drained and the
     # final evaluation written
@@ -121,6 +129,6 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
     assert sorted(learners) == list(range(LEARNERS))
     for lid, entry in learners.items():
         assert entry["deltas_merged"] > 0, f"no delta of learner {lid} was merged: {entry}"
-    for service in SERVICES[1:]:  # they leave once the coordinator says the run is over
-        code = run("docker", "wait", ids[service], timeout=120).stdout.strip()
-        assert code == "0", f"{service} exited {code}"
+    for cid in [ids["outer"], *replicas]:  # they leave once the coordinator says the run is over
+        code = run("docker", "wait", cid, timeout=120).stdout.strip()
+        assert code == "0", f"{cid} exited {code}"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
+import subprocess
 
 import pytest
 
@@ -73,11 +75,42 @@ def test_compose_config_resolves(engine):
     # interpolation, profiles, depends_on targets. (The engine fixture installs the plugin.)
     for profile in ("lan", "wan", "wan-slow", "wan-mixed"):
         out = run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--services").stdout
-        assert set(out.split()) == {"coordinator", "outer"} | {
-            f"learner-{i}" + ("" if profile == "lan" else f"-{profile}") for i in range(4)}
+        assert set(out.split()) == {"coordinator", "outer", learner_service(profile)}
     # no --profile: .env selects lan
     out = run("docker", "compose", "-f", str(COMPOSE_FILE), "config", "--services", env={"COMPOSE_PROFILES": None}).stdout
-    assert "learner-0" in out.split()
+    assert "learner" in out.split()
+
+
+def learner_service(profile: str) -> str:
+    return "learner" + ("" if profile == "lan" else f"-{profile}")
+
+
+def compose_plugin() -> None:
+    """`docker compose config` renders the file without an engine; skip (fail in CI) if the
+    plugin is missing."""
+    try:
+        ok = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        skip_or_fail("the docker compose plugin is not installed (docker/engine.sh installs it)")
+
+
+@pytest.mark.parametrize("learners", [None, "2", "7"])
+@pytest.mark.parametrize("profile", ["lan", "wan", "wan-slow", "wan-mixed"])
+def test_compose_starts_exactly_ddiloco_learners_learners(profile, learners):
+    """`DDILOCO_LEARNERS=N docker compose up` starts N learner containers (the replicas of the
+    profile's one learner service) and plans the run for N: Compose renders the file."""
+    compose_plugin()
+    env = {"DDILOCO_LEARNERS": learners, "COMPOSE_PROFILES": None}
+    rendered = json.loads(run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--format",
+                              "json", env=env).stdout)
+    n = int(learners or 4)
+    learner_services = {name: svc for name, svc in rendered["services"].items() if svc.get("command") == ["learner"]}
+    assert list(learner_services) == [learner_service(profile)], "one learner service per profile"
+    svc = learner_services[learner_service(profile)]
+    assert svc["deploy"]["replicas"] == n and svc.get("scale", n) == n
+    assert f"--learners={n}" in rendered["services"]["coordinator"]["command"]
 
 
 def test_stack_config_resolves(engine):
@@ -137,22 +170,23 @@ def test_every_profile_maps_to_a_defined_bandwidth_profile(compose):
             assert svc.get("profiles") == [env[SHAPING_ENV]], f"{name}: profile {svc.get('profiles')} shapes as {env[SHAPING_ENV]}"
 
 
-def test_each_profile_has_one_learner_per_datacenter_on_its_own_link(compose):
-    networks = compose["networks"]
+def test_each_profile_has_one_replicated_learner_service_with_its_own_links(compose):
+    """Each learner replica is a datacenter: its index from its container name, its own link
+    into the learners' network, which the coordinator and the outer optimizer are on; the
+    replicas and the run's M come from the same variable with the same default."""
     default_learners = re.search(r"--learners=\$\{DDILOCO_LEARNERS:-(\d+)\}", " ".join(compose["services"]["coordinator"]["command"]))
     assert default_learners, "the coordinator's learner count must come from DDILOCO_LEARNERS"
-    n = int(default_learners.group(1))
-    by_profile: dict[str, list[str]] = {}
+    profiles = []
     for name, svc in compose["services"].items():
         env = env_of(svc)
         if SHAPING_ENV in env:
-            dc = env["DDILOCO_DATACENTER"]
-            assert svc["networks"] == [dc], f"{name} is in {dc} but on {svc['networks']}"
-            assert dc in compose["services"]["outer"]["networks"], f"the outer optimizer cannot reach {dc}"
-            by_profile.setdefault(env[SHAPING_ENV], []).append(dc)
-    for profile, dcs in by_profile.items():
-        assert sorted(dcs) == [f"dc{i}" for i in range(n)], f"{profile}: datacenters {dcs}, expected {n}"
-    assert set(networks) >= {f"dc{i}" for i in range(n)}
+            profiles.append(env[SHAPING_ENV])
+            assert svc["deploy"]["replicas"] == f"${{DDILOCO_LEARNERS:-{default_learners.group(1)}}}", name
+            assert env["DDILOCO_DATACENTER_FROM"] == "replica" and "DDILOCO_DATACENTER" not in env, name
+            assert len(svc["networks"]) == 1, f"{name}: one link per container"
+            for hub in ("coordinator", "outer"):
+                assert svc["networks"][0] in compose["services"][hub]["networks"], f"{hub} cannot reach {name}"
+    assert sorted(profiles) == sorted(set(profiles)), "one learner service per profile"
 
 
 def test_plain_up_selects_the_lan_profile():

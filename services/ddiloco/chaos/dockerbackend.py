@@ -9,8 +9,11 @@ containers are disconnected from the datacenter's network(s) and later reconnect
 addresses and aliases they had.
 
 Targets map to containers. ``for_compose_project`` reads them from Compose labels: services
-``coordinator`` and ``outer``, and ``learner-N...`` as ``learner:N`` in datacenter ``dcN``
-(its ``DDILOCO_DATACENTER``), cut off by disconnecting it from ``<project>_dcN``.
+``coordinator`` and ``outer``; the replicas of a learner service (``learner``,
+``learner-wan``, ...: replica n is ``learner:<n-1>`` in datacenter ``dc<n-1>``), cut off by
+disconnecting the container from the project's networks; and, for a file with one service
+per datacenter, ``learner-N...`` as ``learner:N`` in datacenter ``dcN`` (its
+``DDILOCO_DATACENTER``), cut off by disconnecting it from ``<project>_dcN``.
 """
 
 from __future__ import annotations
@@ -58,17 +61,27 @@ class DockerBackend:
             if service in ("coordinator", "outer"):
                 containers[service] = ctr.name
                 continue
-            m = re.match(r"learner-(\d+)", service)
-            if not m:
+            networks = list(ctr.attrs["NetworkSettings"]["Networks"])
+            per_dc = re.match(r"learner-(\d+)", service)
+            if per_dc:  # one service per datacenter
+                index = int(per_dc.group(1))
+                env = dict(x.split("=", 1) for x in ctr.attrs["Config"].get("Env", []) if "=" in x)
+                dc = env.get("DDILOCO_DATACENTER", f"dc{index}")
+                cut = [n for n in networks if n == f"{project}_{dc}"]
+            elif re.fullmatch(r"learner(-[a-z][a-z-]*)?", service):  # replicas of one service
+                index = int(ctr.labels.get("com.docker.compose.container-number", "0")) - 1
+                if index < 0:
+                    continue
+                dc = f"dc{index}"  # as the entrypoint derives it (DDILOCO_DATACENTER_FROM=replica)
+                cut = [n for n in networks if n.startswith(f"{project}_")]
+            else:
                 continue
-            target = f"learner:{int(m.group(1))}"
+            target = f"learner:{index}"
             if target in containers and ctr.status != "running":
                 continue  # a stopped container of another profile for the same learner
             containers[target] = ctr.name
-            env = dict(x.split("=", 1) for x in ctr.attrs["Config"].get("Env", []) if "=" in x)
-            dc = env.get("DDILOCO_DATACENTER", f"dc{m.group(1)}")
             dcs[target] = dc
-            nets[dc] = [n for n in ctr.attrs["NetworkSettings"]["Networks"] if n == f"{project}_{dc}"]
+            nets[dc] = cut
         return cls(c, containers, dcs, nets, volume=f"{project}_run")
 
     # ------------------------------------------------------------------ lookups

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import signal
+import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, setup_logging
 from ddiloco.common.runflags import add_run_flags, run_config_from_args
@@ -15,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="config.json, metrics.jsonl, report.json go here")
     parser.add_argument("--exit-when-finished", action="store_true", help="exit once the report is written")
     parser.add_argument("--port-file", type=pathlib.Path, default=None, help="write the bound port here once serving")
+    # not --resume: `ddiloco run --resume RUN` owns DDILOCO_RESUME, which its children inherit
+    parser.add_argument("--reopen", action="store_true",
+                        help="continue the stopped run saved in --run-dir: its budget clock and learners' statistics go on")
     parser.add_argument("--log-level", default="INFO")
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -26,7 +30,10 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
 
     config = run_config_from_args(args)
-    svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished))
+    if args.reopen and args.run_dir is None:
+        print("ddiloco coordinator: error: --reopen continues the run saved in --run-dir; give --run-dir", file=sys.stderr)
+        return 2
+    svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen))
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())
     svc.start()

@@ -263,6 +263,23 @@ class Membership:
                 return True
             return self.drain_started is not None and self.clock() - self.drain_started > self.config.drain_timeout_s
 
+    def reopen(self) -> dict:
+        """Continue a stopped run (``ddiloco run --resume``): back to WAITING, so the budget
+        clock goes on from the elapsed time saved when the first learner joins again, and
+        every member of the stopped run marked as left (its process is gone; the process
+        that takes its id next is a new incarnation, whose statistics add to the carried
+        ones). Returns what the stopped run had reached, for the event log."""
+        with self.lock:
+            reached = {"state": STATE_NAMES[self.state], "elapsed": round(self.elapsed(), 2), "tokens": self.tokens()}
+            self.elapsed_before = self.elapsed()
+            self.running_since = None
+            self.drain_started = None
+            self.state = coordinator_pb2.RUN_STATE_WAITING
+            for rec in self.members.values():
+                rec.left = True
+            self.save()
+            return reached
+
     def finish(self) -> None:
         with self.lock:
             self.elapsed_before = self.elapsed()
@@ -339,3 +356,13 @@ class Membership:
         for m in doc["members"]:
             # a restarted coordinator gives every learner a fresh lease to prove itself
             self.members[m["learner_id"]] = MemberRecord(last_heartbeat=now, **m)
+
+
+def saved_progress(state_path: pathlib.Path) -> tuple[str, float, int]:
+    """What a stopped run's saved state says it reached: (state name, elapsed seconds of
+    its budget, tokens its learners trained); ("waiting", 0, 0) if it saved none."""
+    if not state_path.exists():
+        return "waiting", 0.0, 0
+    doc = json.loads(state_path.read_text())
+    tokens = saturating_sum(v for m in doc["members"] for v in (m["carried"].get("tokens", 0), m["stats"].get("tokens", 0)))
+    return STATE_NAMES.get(doc["state"], str(doc["state"])), float(doc["elapsed"]), tokens

@@ -39,6 +39,7 @@ class CoordinatorOptions:
     run_dir: pathlib.Path | None = None
     exit_when_finished: bool = False
     linger_s: float = 3.0  # after FINISHED, keep answering so peers learn the run is over
+    reopen: bool = False  # continue the stopped run saved in run_dir (``Membership.reopen``)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -112,6 +113,10 @@ class CoordinatorService:
             write_json(run_dir / "config.json", __import__("json").loads(config.to_json()))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "coordinator")
         self.members = Membership(config, run_dir / "coordinator" / "state.json" if run_dir else None)
+        if options.reopen:
+            reached = self.members.reopen()
+            self.metrics.event("run_resumed", reached_state=reached["state"], elapsed=reached["elapsed"],
+                               tokens=reached["tokens"], max_seconds=config.max_seconds, max_tokens=config.max_tokens)
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.report: dict | None = None

@@ -21,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make learner ID this many times slower (repeatable), e.g. --slow 3:3",
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--resume", type=pathlib.Path, default=None, metavar="RUN",
+        help="continue the stopped run in this folder from its last checkpoint, each learner at its data position; "
+        "run flags may only extend the budget (--max-seconds, --max-tokens are totals)",
+    )
     _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -45,17 +50,39 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
     from ddiloco.launcher.topology import TopologyOptions
 
+    if args.resume is not None:
+        refused = [flag for flag, given in (("--out", args.out), ("--config", args.config), ("--init-from", args.init_from))
+                   if given is not None]
+        if refused:
+            print(f"ddiloco run: error: --resume continues the run in its own folder with its own configuration; "
+                  f"{refused[0]} cannot be combined with it", file=sys.stderr)
+            return 2
+        # the run's saved configuration is the base; the flags given may extend its budget
+        args.config, args.out = args.resume / "config.json", args.resume
     try:
         # the coordinator builds the run configuration from the same flags: bad values fail
         # here, once, before a run folder or a process exists
-        run_config_from_args(args)
+        config = run_config_from_args(args) if args.resume is None or (args.resume / "config.json").exists() else None
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(f"ddiloco run: error: {exc.code}", file=sys.stderr)
             return 2
         raise
+    if args.resume is not None:
+        from ddiloco.launcher import resume
+
+        try:
+            point = resume.find(args.resume)
+            assert config is not None  # find() refused a folder without config.json
+            resume.check(point, config)
+        except resume.ResumeError as exc:
+            print(f"ddiloco run: error: --resume {exc}", file=sys.stderr)
+            return 2
+        print(f"resuming {args.resume} at version {point.version} ({point.state}, {point.elapsed:.1f} s and "
+              f"{point.tokens:,} tokens trained)", file=sys.stderr)
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    learners = args.cfg_learners if args.cfg_learners is not None else 4
+    assert config is not None
+    learners = config.learners
     slow = {}
     for item in args.slow:
         try:
@@ -70,6 +97,7 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         slowdown=slow,
         progress=not args.quiet,
+        resume=args.resume is not None,
         topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
     )
     try:
@@ -95,6 +123,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nrun folder: {out}  (report.json, metrics.jsonl, config.json, logs/)")
     for name, code in result.failures.items():
         print(f"service {name} failed with exit code {code}; see {out}/logs/{name}.log", file=sys.stderr)
+    if result.report is None and (out / "config.json").exists():
+        print(f"the run stopped before its budget; continue it with: ddiloco run --resume {out}", file=sys.stderr)
+    if result.interrupted:
+        return 130  # the shell's code for a command ended by Ctrl-C
     return 0 if result.ok else 1
 
 

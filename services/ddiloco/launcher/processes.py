@@ -143,8 +143,11 @@ class Cluster:
         return [p for p in self.procs if p.returncode() not in (None, 0)]
 
     def wait_all(self, timeout: float) -> bool:
+        return self._wait(self.procs, timeout)
+
+    def _wait(self, procs: list[Proc], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        for p in self.procs:
+        for p in procs:
             left = max(0.0, deadline - time.monotonic())
             try:
                 p.popen.wait(timeout=left)
@@ -153,18 +156,27 @@ class Cluster:
         return True
 
     def stop_all(self, grace: float = 10.0) -> None:
-        """SIGTERM everyone (graceful shutdown), SIGKILL what is left after ``grace``."""
-        for p in self.procs:
+        """SIGTERM everyone (graceful shutdown), SIGKILL what is left after ``grace``.
+        Learners first: a learner that stops sends its last window to the outer optimizer,
+        which must still be there to acknowledge it, so that an interrupted run stops with
+        all its work in the outer optimizer's journal and ``--resume`` trains nothing twice."""
+        learners = [p for p in self.procs if p.name.startswith("learner")]
+        if learners and any(p.returncode() is None for p in self.procs if p not in learners):
+            self._stop(learners, grace)
+        self._stop(self.procs, grace)
+
+    def _stop(self, procs: list[Proc], grace: float) -> None:
+        for p in procs:
             if p.returncode() is None:
                 try:
                     os.killpg(p.popen.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        if not self.wait_all(grace):
-            for p in self.procs:
+        if not self._wait(procs, grace):
+            for p in procs:
                 if p.returncode() is None:
                     try:
                         os.killpg(p.popen.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            self.wait_all(5)
+            self._wait(procs, 5)

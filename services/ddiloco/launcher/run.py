@@ -8,12 +8,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
-from ddiloco.common.rpc import channel
+from ddiloco.common.config import RunConfig
 from ddiloco.launcher.processes import Cluster
+from ddiloco.launcher.progress import Budget, Progress, plain_line, read
 from ddiloco.launcher.topology import TopologyOptions, make_topology
-from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
 
 
 @dataclass
@@ -25,6 +23,7 @@ class LaunchOptions:
     slowdown: dict[int, float] = field(default_factory=dict)
     learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
+    resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
     topology: TopologyOptions = field(default_factory=TopologyOptions)
 
@@ -34,6 +33,7 @@ class LaunchResult:
     report: dict | None
     failures: dict[str, int]
     out: pathlib.Path
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -45,9 +45,14 @@ class RunFolderInUse(Exception):
 
 
 def launch(options: LaunchOptions) -> LaunchResult:
-    if (options.out / "report.json").exists():
+    if options.resume:
+        from ddiloco.launcher.resume import set_aside_report
+
+        set_aside_report(options.out)  # the resumed run writes its own at the end
+    elif (options.out / "report.json").exists():
         # the coordinator would resume the finished run's state and refuse every learner
-        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out")
+        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out, or --resume it")
+    interrupted = False
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
     # the topology is torn down on leaving this block, however it is left (netns: also on
@@ -56,7 +61,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
         try:
             topology.start(options.out)
-            coordinator = cluster.start_coordinator(options.run_flags)
+            coordinator = cluster.start_coordinator(options.run_flags + (["--reopen"] if options.resume else []))
             cluster.start_outer()
             for i in range(options.learners):
                 extra = ["--device", options.device]
@@ -67,6 +72,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
             _supervise(cluster, coordinator, options)
             cluster.wait_all(timeout=60)
         except KeyboardInterrupt:
+            interrupted = True
             print("\ninterrupted: stopping services", file=sys.stderr)
         finally:
             cluster.stop_all()
@@ -74,51 +80,47 @@ def launch(options: LaunchOptions) -> LaunchResult:
         report = json.loads(report_path.read_text()) if report_path.exists() else None
         topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
-    return LaunchResult(report, failures, options.out)
+    return LaunchResult(report, failures, options.out, interrupted)
 
 
 def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
     deadline = time.monotonic() + options.timeout_s
-    tty = sys.stderr.isatty()
+    display: Progress | None = None
     last_print = 0.0
-    while coordinator.returncode() is None:
-        failed = cluster.failed()
-        if failed:
-            names = ", ".join(f"{p.name} (exit {p.returncode()})" for p in failed)
-            print(f"\nservice failed: {names}; stopping the run", file=sys.stderr)
-            return
-        if time.monotonic() > deadline:
-            print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
-            return
-        time.sleep(0.5)  # pacing of the progress display, not synchronisation
-        if options.progress and time.monotonic() - last_print >= (1.0 if tty else 10.0):
-            line = progress_line(cluster)
-            if line:
-                print(("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-            last_print = time.monotonic()
-    if options.progress and tty:
-        print(file=sys.stderr)
+    try:
+        while coordinator.returncode() is None:
+            failed = cluster.failed()
+            if failed:
+                names = ", ".join(f"{p.name} (exit {p.returncode()})" for p in failed)
+                print(f"\nservice failed: {names}; stopping the run", file=sys.stderr)
+                return
+            if time.monotonic() > deadline:
+                print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
+                return
+            time.sleep(0.5)  # pacing of the progress display, not synchronisation
+            if options.progress and display is None:
+                budget = _budget(options.out)  # the coordinator writes config.json as it starts
+                display = Progress(sys.stderr, budget) if budget else None
+            if display is not None and time.monotonic() - last_print >= display.interval_s:
+                snap = read(cluster.membership())
+                if snap is not None:
+                    display.show(snap)
+                last_print = time.monotonic()
+    finally:
+        if display is not None:
+            display.close()
+
+
+def _budget(out: pathlib.Path) -> Budget | None:
+    try:
+        cfg = RunConfig.from_json((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return Budget(cfg.max_seconds, cfg.max_tokens)
 
 
 def progress_line(cluster: Cluster) -> str | None:
-    m = cluster.membership()
-    if m is None:
-        return None
-    tokens = sum(x.stats.tokens for x in m.members)
-    up = sum(x.stats.bytes_uploaded for x in m.members)
-    down = sum(x.stats.bytes_downloaded for x in m.members)
-    alive = sum(1 for x in m.members if x.alive)
-    state = coordinator_pb2.RunState.Name(m.state).removeprefix("RUN_STATE_").lower()
-    version, loss = "-", "-"
-    if m.outer_address:
-        try:
-            with channel(m.outer_address) as ch:
-                st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2)
-            version = str(st.version)
-            loss = f"{st.last_eval_loss:.3f}" if st.last_eval_version or st.last_eval_loss else "-"
-        except grpc.RpcError:
-            pass
-    return (
-        f"[{m.elapsed_seconds:6.1f}s {state}] tokens {tokens / 1e6:6.2f}M  eval loss {loss}  version {version}  "
-        f"up {up / 1e6:6.1f}MB down {down / 1e6:6.1f}MB  learners {alive}/{len(m.members)}"
-    )
+    """One plain progress line (``ddiloco chaos`` prints these)."""
+    snap = read(cluster.membership())
+    budget = _budget(cluster.out)
+    return plain_line(snap, budget) if snap is not None and budget is not None else None

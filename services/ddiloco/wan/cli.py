@@ -23,10 +23,11 @@ import sys
 from ddiloco.common.cliargs import apply_env_defaults
 from ddiloco.wan import profiles as P
 from ddiloco.wan import tc
+from ddiloco.wan.replica import ReplicaError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", metavar="{apply,show,clear,profiles}")
+    sub = parser.add_subparsers(dest="action", metavar="{apply,show,clear,profiles,replica-index}")
     sub.required = True
 
     ap = sub.add_parser("apply", help="shape a device to a datacenter's rate under a profile")
@@ -50,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     pp = sub.add_parser("profiles", help="list the defined profiles")
     pp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    rp = sub.add_parser(
+        "replica-index",
+        help="print this Compose replica's 0-based index (its datacenter), from its container name in Docker's DNS",
+    )
+    rp.add_argument("--dns", default="", metavar="HOST[:PORT]", help="DNS server to ask (default: /etc/resolv.conf's)")
 
 
 def _env_defaults(p: argparse.ArgumentParser) -> None:
@@ -85,7 +92,7 @@ def _device(args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> int:
     try:
         return _ACTIONS[args.action](args)
-    except (tc.TcError, P.ProfileError) as exc:
+    except (tc.TcError, P.ProfileError, ReplicaError) as exc:
         print(f"ddiloco wan {args.action}: {exc}", file=sys.stderr)
         return 1
 
@@ -123,6 +130,14 @@ def _clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replica_index(args: argparse.Namespace) -> int:
+    from ddiloco.wan.replica import container_index
+
+    host, _, port = args.dns.partition(":")
+    print(container_index(host or None, int(port or 53)))
+    return 0
+
+
 def _profiles(args: argparse.Namespace) -> int:
     profiles = P.load_profiles()
     if args.json:
@@ -134,4 +149,4 @@ def _profiles(args: argparse.Namespace) -> int:
     return 0
 
 
-_ACTIONS = {"apply": _apply, "show": _show, "clear": _clear, "profiles": _profiles}
+_ACTIONS = {"apply": _apply, "show": _show, "clear": _clear, "profiles": _profiles, "replica-index": _replica_index}
