@@ -6,7 +6,7 @@ import argparse
 import pathlib
 import signal
 
-from ddiloco.common.cliargs import apply_env_defaults, setup_logging
+from ddiloco.common.cliargs import apply_env_defaults, port, setup_logging
 from ddiloco.common.runflags import add_run_flags, run_config_from_args
 
 
@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="config.json, metrics.jsonl, report.json go here")
     parser.add_argument("--exit-when-finished", action="store_true", help="exit once the report is written")
     parser.add_argument("--port-file", type=pathlib.Path, default=None, help="write the bound port here once serving")
+    parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
+    parser.add_argument("--status-port", type=port, default=0, help="serve the live status page on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -26,7 +28,10 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
 
     config = run_config_from_args(args)
-    svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished))
+    options = CoordinatorOptions(
+        args.bind, args.run_dir, args.exit_when_finished, metrics_port=args.metrics_port, status_port=args.status_port
+    )
+    svc = CoordinatorService(config, options)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())
     svc.start()

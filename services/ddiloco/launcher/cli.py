@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make learner ID this many times slower (repeatable), e.g. --slow 3:3",
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--no-monitoring", action="store_true",
+        help="no Prometheus /metrics endpoints and no status page (default: both on free ports, listed in RUN/endpoints.json)",
+    )
     _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -70,6 +74,7 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         slowdown=slow,
         progress=not args.quiet,
+        monitoring=not args.no_monitoring,
         topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
     )
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ddiloco.common.rpc import channel
+from ddiloco.launcher.endpoints import Endpoint, Endpoints, free_port
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.topology import TopologyOptions, make_topology
 from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
@@ -26,6 +27,9 @@ class LaunchOptions:
     learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
+    # /metrics on every service and the coordinator's status page, on free ports, listed in
+    # RUN/endpoints.json
+    monitoring: bool = True
     topology: TopologyOptions = field(default_factory=TopologyOptions)
 
 
@@ -56,15 +60,21 @@ def launch(options: LaunchOptions) -> LaunchResult:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
         try:
             topology.start(options.out)
-            coordinator = cluster.start_coordinator(options.run_flags)
-            cluster.start_outer()
+            endpoints = Endpoints(options.out)
+            coordinator = cluster.start_coordinator(options.run_flags, http=_http(endpoints, "coordinator", cluster.hub.host, options))
+            endpoints.set_grpc("coordinator", cluster.coordinator_address)
+            cluster.start_outer(_http(endpoints, "outer", cluster.hub.host, options))
             for i in range(options.learners):
                 extra = ["--device", options.device]
                 if i in options.slowdown:
                     extra += ["--slowdown", str(options.slowdown[i])]
                 extra += options.learner_flags.get(i, [])
+                extra += _http(endpoints, f"learner-{i}", cluster.site_of(i).host, options, learner=i)
                 cluster.start_learner(i, extra)
-            _supervise(cluster, coordinator, options)
+            endpoints.write()
+            if options.monitoring:
+                print(f"status page: {endpoints.status_url()}  (every endpoint: {options.out / 'endpoints.json'})", file=sys.stderr, flush=True)
+            _supervise(cluster, coordinator, options, endpoints)
             cluster.wait_all(timeout=60)
         except KeyboardInterrupt:
             print("\ninterrupted: stopping services", file=sys.stderr)
@@ -77,10 +87,37 @@ def launch(options: LaunchOptions) -> LaunchResult:
     return LaunchResult(report, failures, options.out)
 
 
-def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
+def _http(endpoints: Endpoints, name: str, host: str, options: LaunchOptions, learner: int | None = None) -> list[str]:
+    """The HTTP-port flags of one service (none when monitoring is off), noted in ``endpoints``."""
+    kind = "learner" if learner is not None else name
+    labels = {"learner": str(learner), "datacenter": f"dc{learner}"} if learner is not None else {}
+    endpoint = Endpoint(name, kind, host, labels=labels)
+    endpoints.add(endpoint)
+    if not options.monitoring:
+        return []
+    endpoint.metrics_port = free_port()
+    flags = ["--metrics-port", str(endpoint.metrics_port)]
+    if kind == "coordinator":
+        endpoint.status_port = free_port()
+        flags += ["--status-port", str(endpoint.status_port)]
+    return flags
+
+
+def _learn_addresses(cluster: Cluster, endpoints: Endpoints, m) -> None:
+    """The outer optimizer's and the learners' gRPC addresses, once they registered them."""
+    if m is None:
+        return
+    endpoints.set_grpc("outer", m.outer_address)
+    for member in m.members:
+        endpoints.set_grpc(f"learner-{member.learner_id}", member.address)
+    endpoints.write()
+
+
+def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints: Endpoints) -> None:
     deadline = time.monotonic() + options.timeout_s
     tty = sys.stderr.isatty()
     last_print = 0.0
+    last_look = 0.0
     while coordinator.returncode() is None:
         failed = cluster.failed()
         if failed:
@@ -91,6 +128,9 @@ def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
             print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
             return
         time.sleep(0.5)  # pacing of the progress display, not synchronisation
+        if time.monotonic() - last_look >= 2.0:
+            _learn_addresses(cluster, endpoints, cluster.membership())
+            last_look = time.monotonic()
         if options.progress and time.monotonic() - last_print >= (1.0 if tty else 10.0):
             line = progress_line(cluster)
             if line:
