@@ -118,6 +118,8 @@ class RunWatch:
         if not events:
             return
         result = account(events, self.learners)
+        if result["goodput_accounting"].get("provisioned_s", 0) <= 0:
+            return  # no learner time provisioned yet: no share to show
         with self.lock:
             self.goodput = {"goodput": result["goodput"], "waste": result["waste"]}
 

@@ -57,6 +57,8 @@ function drawCurve(points) {
     parts.push(svgEl("text", { x: L - 4, y: H - B, "text-anchor": "end", "font-size": 11 }, y0.toFixed(2)));
     parts.push(svgEl("text", { x: L, y: H - 8, "font-size": 11 }, seconds(x0)));
     parts.push(svgEl("text", { x: W - R, y: H - 8, "text-anchor": "end", "font-size": 11 }, seconds(x1)));
+    parts.push(svgEl("text", { x: (L + W - R) / 2, y: H - 8, "text-anchor": "middle", "font-size": 11, fill: "#667" },
+      "seconds since the first learner joined"));
   } else {
     parts.push(svgEl("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#889" }, "no evaluation yet"));
   }
