@@ -235,3 +235,12 @@ def test_the_status_page_serves_everything_it_loads_itself(live_run):
     view = json.loads(urllib.request.urlopen(base + "status.json", timeout=5).read())
     assert [m["learner"] for m in view["members"]] == [0, 1]
     assert view["outer"]["fragments"][0]["version"] == view["outer"]["version"]
+
+
+def test_ddiloco_report_plots_a_run_that_is_still_going(live_run, tmp_path):
+    out, _, _ = live_run
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "report", str(out), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "eval_loss.png").stat().st_size > 10_000
+    assert "No `report.json`: the run did not finish" in (tmp_path / "summary.md").read_text()
