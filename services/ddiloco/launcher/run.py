@@ -8,13 +8,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
-from ddiloco.common.rpc import channel
+from ddiloco.launcher import progress
 from ddiloco.launcher.endpoints import Endpoint, Endpoints, free_port
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.topology import TopologyOptions, make_topology
-from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
 
 
 @dataclass
@@ -116,49 +113,43 @@ def _learn_addresses(cluster: Cluster, endpoints: Endpoints, m) -> None:
 def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints: Endpoints) -> None:
     deadline = time.monotonic() + options.timeout_s
     tty = sys.stderr.isatty()
+    display = None  # made once the coordinator tells the run's budget
     last_print = 0.0
     last_look = 0.0
-    while coordinator.returncode() is None:
-        failed = cluster.failed()
-        if failed:
-            names = ", ".join(f"{p.name} (exit {p.returncode()})" for p in failed)
-            print(f"\nservice failed: {names}; stopping the run", file=sys.stderr)
-            return
-        if time.monotonic() > deadline:
-            print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
-            return
-        time.sleep(0.5)  # pacing of the progress display, not synchronisation
-        if time.monotonic() - last_look >= 2.0:
-            _learn_addresses(cluster, endpoints, cluster.membership())
-            last_look = time.monotonic()
-        if options.progress and time.monotonic() - last_print >= (1.0 if tty else 10.0):
-            line = progress_line(cluster)
-            if line:
-                print(("\r" + line.ljust(110)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
-            last_print = time.monotonic()
-    if options.progress and tty:
-        print(file=sys.stderr)
+    try:
+        while coordinator.returncode() is None:
+            failed = cluster.failed()
+            if failed:
+                names = ", ".join(f"{p.name} (exit {p.returncode()})" for p in failed)
+                print(f"\nservice failed: {names}; stopping the run", file=sys.stderr)
+                return
+            if time.monotonic() > deadline:
+                print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
+                return
+            time.sleep(0.5)  # pacing of the progress display, not synchronisation
+            if time.monotonic() - last_look >= 2.0:
+                _learn_addresses(cluster, endpoints, cluster.membership())
+                last_look = time.monotonic()
+            if options.progress and time.monotonic() - last_print >= (1.0 if tty else 10.0):
+                if display is None:
+                    display = _display(cluster, tty)
+                snap = progress.snapshot(cluster.membership())
+                if display is not None and snap is not None:
+                    display.show(snap)
+                last_print = time.monotonic()
+    finally:
+        if display is not None:
+            display.close()
+
+
+def _display(cluster: Cluster, tty: bool):
+    if not tty:
+        return progress.Lines(sys.stderr)
+    b = progress.budget(cluster.coordinator_address)
+    return progress.Bar(sys.stderr, *b) if b is not None else None
 
 
 def progress_line(cluster: Cluster) -> str | None:
-    m = cluster.membership()
-    if m is None:
-        return None
-    tokens = sum(x.stats.tokens for x in m.members)
-    up = sum(x.stats.bytes_uploaded for x in m.members)
-    down = sum(x.stats.bytes_downloaded for x in m.members)
-    alive = sum(1 for x in m.members if x.alive)
-    state = coordinator_pb2.RunState.Name(m.state).removeprefix("RUN_STATE_").lower()
-    version, loss = "-", "-"
-    if m.outer_address:
-        try:
-            with channel(m.outer_address) as ch:
-                st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2)
-            version = str(st.version)
-            loss = f"{st.last_eval_loss:.3f}" if st.last_eval_version or st.last_eval_loss else "-"
-        except grpc.RpcError:
-            pass
-    return (
-        f"[{m.elapsed_seconds:6.1f}s {state}] tokens {tokens / 1e6:6.2f}M  eval loss {loss}  version {version}  "
-        f"up {up / 1e6:6.1f}MB down {down / 1e6:6.1f}MB  learners {alive}/{len(m.members)}"
-    )
+    """The plain progress line (also ``ddiloco chaos``'s)."""
+    snap = progress.snapshot(cluster.membership())
+    return progress.plain_line(snap) if snap is not None else None
