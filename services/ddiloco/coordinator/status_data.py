@@ -38,7 +38,7 @@ def build(config, members, watch) -> dict:
         outer = watch.outer
         curve = list(watch.curve)
         recent = list(watch.notable)[-RECENT_EVENTS:]
-        goodput = watch.goodput
+        goodput = dict(watch.goodput, frozen=watch.goodput_frozen) if watch.goodput else None
         started = watch.started_t
     version = outer.version if outer is not None else None
     with members.lock:

@@ -30,6 +30,15 @@ NOTABLE = frozenset({
 })
 MAX_CURVE = 2000  # eval points kept; older halves are thinned out beyond it
 GOODPUT_EVERY_S = 10.0  # the accounting re-reads every event held: not on every poll
+# the kinds the goodput accounting reads (chaos/goodput.py, chaos/audit.py); only these are held
+GOODPUT_KINDS = frozenset({
+    "learner_registered", "learner_start", "learner_stop", "draining", "finished", "fault", "delta_accepted",
+    "window", "upload_acked", "upload_refused", "merge", "merge_replayed", "delta_dropped_stale",
+})
+# Held events for the live goodput, at most: ~100 MB. A tiny-model run writes ~40 such events
+# a second, a real one far fewer; past the bound the page keeps the last value and says so
+# (report.json still has the whole run's goodput at the end).
+MAX_HELD = 300_000
 
 
 class RunWatch:
@@ -43,6 +52,7 @@ class RunWatch:
         self.curve: list[tuple[float, int, float]] = []  # (unix time, global version, eval loss)
         self.notable: collections.deque[dict] = collections.deque(maxlen=50)
         self.goodput: dict | None = None
+        self.goodput_frozen = False  # MAX_HELD reached: the live value stopped
         self.started_t: float | None = None  # the first learner's registration
         self._events: list[dict] = []
         self._offset = 0
@@ -99,8 +109,14 @@ class RunWatch:
                     e = json.loads(line)
                 except ValueError:
                     continue
-                self._events.append(e)
                 kind = e.get("event")
+                if kind in GOODPUT_KINDS and not self.goodput_frozen:
+                    if len(self._events) >= MAX_HELD:
+                        self.goodput_frozen = True
+                        self._events = []
+                        log.warning("live goodput stopped after %d events; report.json will have it", MAX_HELD)
+                    else:
+                        self._events.append(e)
                 if kind == "learner_registered" and self.started_t is None:
                     self.started_t = e["t"]
                 if kind in ("eval", "finalize") and e.get("source") == "outer":
@@ -115,7 +131,7 @@ class RunWatch:
 
         with self.lock:
             events = list(self._events)
-        if not events:
+        if not events or self.goodput_frozen:
             return
         result = account(events, self.learners)
         if result["goodput_accounting"].get("provisioned_s", 0) <= 0:
