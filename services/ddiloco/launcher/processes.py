@@ -86,13 +86,14 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def start_coordinator(self, run_flags: list[str], timeout: float = 60.0) -> Proc:
+    def start_coordinator(self, run_flags: list[str], timeout: float = 60.0, http: list[str] | None = None) -> Proc:
+        """``http``: --metrics-port/--status-port flags (off when not given)."""
         port_file = self.out / "coordinator.port"
         port_file.unlink(missing_ok=True)
         proc = self.spawn(
             "coordinator",
             ["coordinator", "--bind", f"{self.hub.host}:0", "--run-dir", str(self.out), "--exit-when-finished",
-             "--port-file", str(port_file), *run_flags],
+             "--port-file", str(port_file), *(http or []), *run_flags],
             site=self.hub,
         )
         deadline = time.monotonic() + timeout
@@ -105,11 +106,11 @@ class Cluster:
         self.coordinator_address = f"{self.hub.host}:{int(port_file.read_text())}"
         return proc
 
-    def start_outer(self) -> Proc:
+    def start_outer(self, extra: list[str] | None = None) -> Proc:
         return self.spawn(
             "outer",
             ["outer", "--bind", f"{self.hub.host}:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
-             "--exit-when-finished"],
+             "--exit-when-finished", *(extra or [])],
             site=self.hub,
         )
 

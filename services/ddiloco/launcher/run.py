@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from ddiloco.common.config import RunConfig
+from ddiloco.launcher.endpoints import Endpoint, Endpoints, free_port
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.progress import Budget, Progress, plain_line, read
 from ddiloco.launcher.topology import TopologyOptions, make_topology
@@ -25,6 +26,9 @@ class LaunchOptions:
     progress: bool = True
     resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
+    # /metrics on every service and the coordinator's status page, on free ports, listed in
+    # RUN/endpoints.json
+    monitoring: bool = True
     topology: TopologyOptions = field(default_factory=TopologyOptions)
 
 
@@ -61,15 +65,24 @@ def launch(options: LaunchOptions) -> LaunchResult:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
         try:
             topology.start(options.out)
-            coordinator = cluster.start_coordinator(options.run_flags + (["--reopen"] if options.resume else []))
-            cluster.start_outer()
+            endpoints = Endpoints(options.out)
+            coordinator = cluster.start_coordinator(
+                options.run_flags + (["--reopen"] if options.resume else []),
+                http=_http(endpoints, "coordinator", cluster.hub.host, options),
+            )
+            endpoints.set_grpc("coordinator", cluster.coordinator_address)
+            cluster.start_outer(_http(endpoints, "outer", cluster.hub.host, options))
             for i in range(options.learners):
                 extra = ["--device", options.device]
                 if i in options.slowdown:
                     extra += ["--slowdown", str(options.slowdown[i])]
                 extra += options.learner_flags.get(i, [])
+                extra += _http(endpoints, f"learner-{i}", cluster.site_of(i).host, options, learner=i)
                 cluster.start_learner(i, extra)
-            _supervise(cluster, coordinator, options)
+            endpoints.write()
+            if options.monitoring:
+                print(f"status page: {endpoints.status_url()}  (every endpoint: {options.out / 'endpoints.json'})", file=sys.stderr, flush=True)
+            _supervise(cluster, coordinator, options, endpoints)
             cluster.wait_all(timeout=60)
         except KeyboardInterrupt:
             interrupted = True
@@ -83,10 +96,37 @@ def launch(options: LaunchOptions) -> LaunchResult:
     return LaunchResult(report, failures, options.out, interrupted)
 
 
-def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
+def _http(endpoints: Endpoints, name: str, host: str, options: LaunchOptions, learner: int | None = None) -> list[str]:
+    """The HTTP-port flags of one service (none when monitoring is off), noted in ``endpoints``."""
+    kind = "learner" if learner is not None else name
+    labels = {"learner": str(learner), "datacenter": f"dc{learner}"} if learner is not None else {}
+    endpoint = Endpoint(name, kind, host, labels=labels)
+    endpoints.add(endpoint)
+    if not options.monitoring:
+        return []
+    endpoint.metrics_port = free_port()
+    flags = ["--metrics-port", str(endpoint.metrics_port)]
+    if kind == "coordinator":
+        endpoint.status_port = free_port()
+        flags += ["--status-port", str(endpoint.status_port)]
+    return flags
+
+
+def _learn_addresses(cluster: Cluster, endpoints: Endpoints, m) -> None:
+    """The outer optimizer's and the learners' gRPC addresses, once they registered them."""
+    if m is None:
+        return
+    endpoints.set_grpc("outer", m.outer_address)
+    for member in m.members:
+        endpoints.set_grpc(f"learner-{member.learner_id}", member.address)
+    endpoints.write()
+
+
+def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints: Endpoints) -> None:
     deadline = time.monotonic() + options.timeout_s
     display: Progress | None = None
     last_print = 0.0
+    last_look = 0.0
     try:
         while coordinator.returncode() is None:
             failed = cluster.failed()
@@ -98,6 +138,9 @@ def _supervise(cluster: Cluster, coordinator, options: LaunchOptions) -> None:
                 print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
                 return
             time.sleep(0.5)  # pacing of the progress display, not synchronisation
+            if time.monotonic() - last_look >= 2.0:
+                _learn_addresses(cluster, endpoints, cluster.membership())
+                last_look = time.monotonic()
             if options.progress and display is None:
                 budget = _budget(options.out)  # the coordinator writes config.json as it starts
                 display = Progress(sys.stderr, budget) if budget else None

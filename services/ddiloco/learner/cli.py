@@ -9,7 +9,7 @@ import pathlib
 import signal
 import sys
 
-from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
+from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=0, help="override the run's batch size for this learner")
     parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
     apply_env_defaults(parser)
 
@@ -45,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
             slowdown=args.slowdown,
             batch_size=args.batch_size,
             inner_steps=args.inner_steps,
+            metrics_port=args.metrics_port,
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())

@@ -70,6 +70,7 @@ class LearnerOptions:
     slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
+    metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
@@ -100,6 +101,14 @@ class Learner:
         self._client: OuterClient | None = None
         self._client_lock = threading.Lock()
         self.metrics = MetricsLog(None, "learner")
+        from ddiloco.common.prom import host_of, start_exporter
+
+        self.exporter = start_exporter(host_of(options.bind), options.metrics_port)
+        if self.exporter is not None:
+            from ddiloco.learner.prom import LearnerMetrics
+
+            LearnerMetrics(self.exporter, self)
+            self.metrics.observers.append(self.exporter.observe)
         self.server = Server(options.bind, [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name], max_workers=4)
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self), self.server.grpc_server)
 
@@ -222,6 +231,8 @@ class Learner:
         lcfg = cfg.learner
         if self.options.run_dir is not None:
             self.metrics = MetricsLog(self.options.run_dir / "metrics.jsonl", f"learner-{self.learner_id}")
+            if self.exporter is not None:
+                self.metrics.observers.append(self.exporter.observe)
         self.batch_size = self.options.batch_size or lcfg.batch_size
         self.inner_steps = self.options.inner_steps or lcfg.inner_steps
         self.tokens_per_step = self.batch_size * cfg.model.context

@@ -6,7 +6,7 @@ import argparse
 import pathlib
 import sys
 
-from ddiloco.common.cliargs import apply_env_defaults, limit_threads, setup_logging
+from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="checkpoints, journal and metrics go here")
     parser.add_argument("--exit-when-finished", action="store_true", help="exit once the coordinator reports the run finished")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
     apply_env_defaults(parser)
 
@@ -32,6 +33,7 @@ def main(args: argparse.Namespace) -> int:
             coordinator=args.coordinator,
             run_dir=args.run_dir,
             exit_when_finished=args.exit_when_finished,
+            metrics_port=args.metrics_port,
         )
     )
     import signal

@@ -48,6 +48,7 @@ class OuterOptions:
     coordinator: str = "127.0.0.1:50051"
     run_dir: pathlib.Path | None = None
     exit_when_finished: bool = False
+    metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
 
 
 class KnownLearners:
@@ -222,6 +223,14 @@ class OuterService:
         self.recovery_until = 0.0  # after a restart: merges wait for every live learner until then
         self._finalize_lock = threading.Lock()
         self._final: outer_pb2.FinalizeResponse | None = None  # the answer every later Finalize repeats
+        from ddiloco.common.prom import host_of, start_exporter
+
+        # served from the start, so a scrape shows the process up while it waits for the coordinator
+        self.exporter = start_exporter(host_of(options.bind), options.metrics_port)
+        if self.exporter is not None:
+            from ddiloco.outer.prom import OuterMetrics
+
+            OuterMetrics(self.exporter, self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -234,6 +243,8 @@ class OuterService:
         self.config = RunConfig.from_json(resp.config_json)
         run_dir = self.options.run_dir
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "outer")
+        if self.exporter is not None:
+            self.metrics.observers.append(self.exporter.observe)
         state_dir = run_dir / "outer" if run_dir else None
         self.state = OuterState(self.config, state_dir, self.metrics)
         self.downloads = DownloadViews(

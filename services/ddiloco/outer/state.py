@@ -560,13 +560,14 @@ class OuterState:
                 if frag.optimizer.buffers is not None:
                     for i, b in zip(frag.tensor_ids, frag.optimizer.buffers):
                         tensors[f"momentum/{self.names[i]}"] = b.clone()
+        t0 = time.monotonic()
         try:
             path, _ = self.checkpoints.write(tensors, state)
         except Exception:
             with self.lock:
                 self._merges_since_checkpoint += merges  # still due: the next merge retries
             raise
-        self.metrics.event("checkpoint", version=state["version"], path=str(path))
+        self.metrics.event("checkpoint", version=state["version"], path=str(path), seconds=round(time.monotonic() - t0, 4))
         return path
 
     def _restore(self) -> None:

@@ -1,0 +1,115 @@
+"""The state of a run as one JSON-ready dict: what the status page shows and what the
+coordinator's Prometheus collector exports, built from the membership (under its lock),
+the run configuration and ``RunWatch`` (the outer optimizer's status, the event log)."""
+
+from __future__ import annotations
+
+import time
+
+from ddiloco.coordinator.membership import STATE_NAMES
+from ddiloco.v1 import coordinator_pb2
+
+# a member's state, as the coordinator can tell it
+MEMBER_STATES = ("starting", "training", "uploading", "restarting", "dead", "left")
+RECENT_EVENTS = 20
+
+
+def member_state(rec, alive: bool, run_state: int) -> str:
+    """``starting``/``restarting``: registered (a first or a later incarnation) and not yet
+    trained a step; ``uploading``: the run is draining and the learner still has deltas in
+    flight (while it trains, uploads overlap training, so it is ``training``); ``dead``: its
+    lease expired; ``left``: it left cleanly."""
+    if rec.left:
+        return "left"
+    if not alive:
+        return "dead"
+    cur = rec.stats  # the current incarnation's report
+    if not cur.get("inner_steps", 0):
+        return "restarting" if rec.incarnation > 1 else "starting"
+    in_flight = cur.get("deltas_sent", 0) - cur.get("deltas_acked", 0)
+    if in_flight > 0 and run_state == coordinator_pb2.RUN_STATE_DRAINING:
+        return "uploading"
+    return "training"
+
+
+def build(config, members, watch) -> dict:
+    now = time.time()
+    with watch.lock:
+        outer = watch.outer
+        curve = list(watch.curve)
+        recent = list(watch.notable)[-RECENT_EVENTS:]
+        goodput = dict(watch.goodput, frozen=watch.goodput_frozen) if watch.goodput else None
+        started = watch.started_t
+    version = outer.version if outer is not None else None
+    with members.lock:
+        run_state = members.state
+        mono = members.clock()
+        rows = []
+        for rec in sorted(members.members.values(), key=lambda r: r.learner_id):
+            s = rec.total_stats()
+            alive = members.is_alive(rec)
+            wall = rec.stats.get("wall_seconds", 0.0)
+            rows.append({
+                "learner": rec.learner_id,
+                "datacenter": rec.datacenter,
+                "state": member_state(rec, alive, run_state),
+                "incarnation": rec.incarnation,
+                "shard": rec.shard_index,
+                "tokens": s["tokens"],
+                "inner_steps": s["inner_steps"],
+                "version": s["global_version"],
+                "behind": max(0, version - s["global_version"]) if version is not None else None,
+                "in_flight": max(0, rec.stats.get("deltas_sent", 0) - rec.stats.get("deltas_acked", 0)),
+                "bytes_uploaded": s["bytes_uploaded"],
+                "bytes_downloaded": s["bytes_downloaded"],
+                "train_loss": s["last_loss"],
+                "compute_utilization": round(rec.stats.get("compute_seconds", 0.0) / wall, 4) if wall > 0 else 0.0,
+                "heartbeat_age_s": round(mono - rec.last_heartbeat, 2),
+            })
+        elapsed = members.elapsed()
+        tokens = members.tokens()
+    out = {
+        "run_id": config.run_id,
+        "state": STATE_NAMES[run_state],
+        "elapsed_s": round(elapsed, 2),
+        "max_seconds": config.max_seconds,
+        "max_tokens": config.max_tokens,
+        "learners_planned": config.learners,
+        "fragments_planned": config.fragments,
+        "tokens": tokens,
+        "members": rows,
+        "outer": _outer(outer),
+        "links": [{"datacenter": dc, **v} for dc, v in sorted(watch.link_rates().items())],
+        # seconds since the first learner registered; the initial evaluation comes before, at 0
+        "curve": [[max(0.0, round(t - started, 2)) if started else 0.0, v, loss] for t, v, loss in curve],
+        "goodput": goodput,
+        "events": [_summary(e, now) for e in reversed(recent)],
+        "generated_t": now,
+    }
+    return out
+
+
+def _outer(st) -> dict | None:
+    if st is None:
+        return None
+    return {
+        "version": st.version,
+        "outer_steps": st.outer_steps,
+        "tokens_merged": st.tokens_merged,
+        "pending_deltas": st.pending_deltas,
+        "initial_eval_loss": st.initial_eval_loss,
+        "eval_loss": st.last_eval_loss if st.last_eval_version or st.last_eval_loss else None,
+        "eval_accuracy": st.last_eval_accuracy,
+        "eval_version": st.last_eval_version,
+        "fragments": [{"fragment": f.fragment, "version": f.version, "tokens_merged": f.tokens_merged} for f in st.fragments],
+        "learners": [
+            {"learner": lr.learner_id, "deltas_merged": lr.deltas_merged, "deltas_refused": lr.deltas_refused} for lr in st.learners
+        ],
+    }
+
+
+def _summary(e: dict, now: float) -> dict:
+    """One line of an event for people: its kind, who, and the fields that say what happened."""
+    skip = {"t", "source", "event", "schedule"}
+    detail = ", ".join(f"{k}={v}" for k, v in sorted(e.items()) if k not in skip)
+    return {"age_s": round(now - e.get("t", now), 1), "source": e.get("source", ""), "event": e.get("event", ""), "detail": detail[:240]}

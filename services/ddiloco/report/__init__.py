@@ -1,0 +1,1 @@
+"""``ddiloco report RUN_DIR``: plots and a markdown summary of any run folder."""

@@ -1,0 +1,87 @@
+"""The Prometheus exporter every service shares (ddiloco.common.prom): off at port 0, a real
+HTTP endpoint otherwise, fed by the events the service writes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.prom import host_of, start_exporter
+
+
+def test_port_0_means_off_and_events_cost_nothing_more():
+    assert start_exporter("127.0.0.1", 0) is None
+    assert MetricsLog(None, "outer").observers == []
+
+
+def test_an_exporter_serves_what_the_events_it_observes_count(tmp_path):
+    from prometheus_client import Counter
+
+    exporter = start_exporter("127.0.0.1", _free_port())
+    try:
+        merges = Counter("ddiloco_test_merges_total", "merges seen", registry=exporter.registry)
+        exporter.on_event(lambda kind, fields: merges.inc() if kind == "merge" else None)
+        log = MetricsLog(tmp_path / "metrics.jsonl", "outer")
+        log.observers.append(exporter.observe)
+        log.event("merge", version=1)
+        log.event("eval", version=1)
+        log.event("merge", version=2)
+        text = urllib.request.urlopen(exporter.url, timeout=5).read().decode()
+        assert "ddiloco_test_merges_total 2.0" in text
+        assert "process_cpu_seconds_total" in text
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # the event log is unchanged
+    finally:
+        exporter.close()
+
+
+def test_a_failing_metric_never_fails_the_event(tmp_path):
+    exporter = start_exporter("127.0.0.1", _free_port())
+    try:
+        exporter.on_event(lambda kind, fields: fields["missing"])
+        log = MetricsLog(tmp_path / "metrics.jsonl", "outer")
+        log.observers.append(exporter.observe)
+        log.event("merge", version=1)
+        assert (tmp_path / "metrics.jsonl").read_text().count('"merge"') == 1
+    finally:
+        exporter.close()
+
+
+def test_a_port_outside_0_to_65535_is_one_line_and_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "outer", "--metrics-port", "70000"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ddiloco outer: error: argument --metrics-port: a port is 0 (off) or 1 to 65535, got 70000"
+    ]
+
+
+def test_the_metrics_port_also_comes_from_the_environment():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "coordinator", "--help"], capture_output=True, text=True, timeout=60
+    )
+    flat = " ".join(proc.stdout.split())
+    assert "--metrics-port METRICS_PORT" in flat and "[env DDILOCO_METRICS_PORT]" in flat
+    assert "[env DDILOCO_STATUS_PORT]" in flat and "(default 0: off)" in flat
+
+
+def test_endpoints_listen_where_the_grpc_port_does():
+    assert host_of("0.0.0.0:50051") == "0.0.0.0"
+    assert host_of("127.0.0.1:0") == "127.0.0.1"
+    assert host_of("[::]:50051") == "::"
+
+
+def test_refusals_are_counted_by_a_reason_of_few_values():
+    from ddiloco.outer.prom import refusal_reason
+
+    assert refusal_reason("FAILED_PRECONDITION", "delta is stale: 4.20 rounds of other learners' work merged") == "stale"
+    assert refusal_reason("ALREADY_EXISTS", "learner 3 sequence 9 already accepted (last 9)") == "duplicate"
+    assert refusal_reason("INVALID_ARGUMENT", "fragment 7 does not exist; this run has 1") == "invalid_argument"
+
+
+def _free_port() -> int:
+    from ddiloco.launcher.endpoints import free_port
+
+    return free_port()

@@ -1,0 +1,33 @@
+"""The state the status page and the coordinator's metrics give each member
+(ddiloco.coordinator.status_data.member_state)."""
+
+from __future__ import annotations
+
+from ddiloco.coordinator.membership import MemberRecord
+from ddiloco.coordinator.status_data import member_state
+from ddiloco.v1 import coordinator_pb2
+
+RUNNING, DRAINING = coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_DRAINING
+
+
+def record(incarnation=1, left=False, **stats) -> MemberRecord:
+    return MemberRecord(learner_id=0, shard_index=0, incarnation=incarnation, left=left, stats=stats)
+
+
+def test_a_registered_learner_that_has_not_stepped_is_starting_or_restarting():
+    assert member_state(record(), alive=True, run_state=RUNNING) == "starting"
+    assert member_state(record(incarnation=2, inner_steps=0), alive=True, run_state=RUNNING) == "restarting"
+
+
+def test_a_learner_with_steps_is_training_even_while_its_uploads_overlap():
+    assert member_state(record(inner_steps=10, deltas_sent=3, deltas_acked=2), alive=True, run_state=RUNNING) == "training"
+
+
+def test_a_draining_learner_with_deltas_in_flight_is_uploading():
+    assert member_state(record(inner_steps=10, deltas_sent=3, deltas_acked=2), alive=True, run_state=DRAINING) == "uploading"
+    assert member_state(record(inner_steps=10, deltas_sent=3, deltas_acked=3), alive=True, run_state=DRAINING) == "training"
+
+
+def test_an_expired_lease_is_dead_and_a_clean_leave_is_left():
+    assert member_state(record(inner_steps=10), alive=False, run_state=RUNNING) == "dead"
+    assert member_state(record(inner_steps=10, left=True), alive=False, run_state=RUNNING) == "left"
