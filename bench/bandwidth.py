@@ -79,7 +79,7 @@ def run_ddiloco(method: str, flags: list[str], run_dir: pathlib.Path, learners: 
     from ddiloco.launcher.run import LaunchOptions, launch
     from ddiloco.launcher.topology import TopologyOptions
 
-    result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device="cpu", progress=False,
+    result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device="cpu", progress=False, monitoring=False,
                                   topology=TopologyOptions("netns", profile)))
     if not result.ok or "links" not in (result.report or {}):
         raise RuntimeError(f"{method} failed: {result.failures or 'no report'}; see {run_dir}/logs")

@@ -349,7 +349,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
     t0 = time.monotonic()
     result = run_with_targeted(
         LaunchOptions(out=out, run_flags=flags, learners=s.learners, device=s.device, progress=False,
-                      timeout_s=s.seconds * 4 + 600),
+                      monitoring=False, timeout_s=s.seconds * 4 + 600),
         schedule,
         targeted,
     )

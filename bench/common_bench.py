@@ -1,7 +1,11 @@
 """Helpers shared by the benches: provenance (git revision, dirty check, load average),
 reading a run folder's ``metrics.jsonl``, and running ddiloco / dp jobs by their launchers.
 
-Standards (issue 17): a bench records the git revision when it starts and refuses to run
+Benches launch with monitoring off (no /metrics exporters, no status page): every service
+of a bench shares one small machine, where the exporters' threads would take CPU from the
+co-located learners and shift the comparison, and results before monitoring existed had none.
+
+Standards: a bench records the git revision when it starts and refuses to run
 when ``services/`` or ``bench/`` has uncommitted changes, unless told ``--allow-dirty``,
 in which case the result says ``"dirty": true`` with a hash of the diff; it records the load
 average at start and end, and a run that started above ``MAX_START_LOAD`` is not to be
@@ -194,7 +198,8 @@ def run_ddiloco(run_dir: pathlib.Path, flags: list[str], learners: int, device: 
     from ddiloco.launcher.run import LaunchOptions, launch
 
     result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device=device,
-                                  slowdown=slowdown or {}, progress=False, timeout_s=timeout_s))
+                                  slowdown=slowdown or {}, progress=False, monitoring=False,
+                                  timeout_s=timeout_s))
     if not result.ok:
         raise RuntimeError(f"ddiloco run in {run_dir} failed: {result.failures or 'no report'}; see {run_dir}/logs")
     return result.report

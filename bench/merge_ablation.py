@@ -53,7 +53,8 @@ def main() -> int:
             for rep in range(1 if name == "sync" else repeats):  # sync does not depend on arrival order
                 out = work / f"{name}-{rep}"
                 t0 = time.time()
-                result = launch(LaunchOptions(out=out, run_flags=base + flags, learners=4, device="cpu", progress=False))
+                result = launch(LaunchOptions(out=out, run_flags=base + flags, learners=4, device="cpu", progress=False,
+                                             monitoring=False))
                 if not result.ok:
                     print(f"{name}: run failed: {result.failures}", file=sys.stderr)
                     return 1

@@ -127,6 +127,7 @@ def run_method(method: str, budget: int, cfg_path: pathlib.Path, run_dir: pathli
             device=device,
             slowdown={SLOW_LEARNER: SLOW_FACTOR} if method == "ddiloco-int8-slow" else {},
             progress=False,
+            monitoring=False,
         )
     )
     if not result.ok:

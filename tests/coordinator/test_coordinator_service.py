@@ -95,3 +95,30 @@ def test_state_survives_a_coordinator_restart(coordinator):
     assert [x.learner_id for x in m.members] == ids
     assert m.outer_address == "127.0.0.1:9"
     assert m.state == coordinator_pb2.RUN_STATE_RUNNING
+
+
+def test_the_cli_serves_on_the_fixed_port_it_is_given(tmp_path):
+    """As in Compose and Swarm (--bind=0.0.0.0:50051): the service binds its port once. A
+    second service built in the same process (a merge once left two) fails on a fixed port,
+    never on the port 0 the other tests use."""
+    import socket
+    import subprocess
+    import sys
+
+    from support import check, wait_until
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco", "coordinator", "--bind", f"127.0.0.1:{port}", "--learners", "1",
+         "--model", "tiny", "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        wait_until(lambda: proc.poll() is not None or check(f"127.0.0.1:{port}", timeout=1.0)[0], 60, "serving or exited")
+        assert proc.poll() is None, f"the coordinator exited {proc.returncode} instead of serving: {proc.communicate()[0][-2000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)

@@ -103,18 +103,19 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
 
     for cid, n in number.items():
         exec_ = ("exec", "-T", "--index", str(n), LEARNER)
-        environ = compose(*exec_, "cat", "/proc/1/environ").stdout.split("\0")
+        # the entrypoint dropped root and every capability before starting the learner
+        status = compose(*exec_, "cat", "/proc/1/status").stdout
+        uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
+        cap_eff = next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:"))
+        assert uid != "0" and int(cap_eff, 16) == 0, f"replica {n}: learner runs as uid {uid} with caps {cap_eff}"
+        # another uid may not read a process's environment (root here lacks CAP_SYS_PTRACE)
+        environ = compose("exec", "-T", "--user", uid, "--index", str(n), LEARNER, "cat", "/proc/1/environ").stdout.split("\0")
         assert f"DDILOCO_DATACENTER=dc{n - 1}" in environ, f"replica {n} did not take datacenter dc{n - 1}"
         want = rate_for(PROFILE, n - 1)
         qdiscs = json.loads(compose(*exec_, "tc", "-j", "qdisc", "show", "dev", "eth0").stdout)
         root = next(q for q in qdiscs if q.get("root"))
         assert root["kind"] == "tbf", qdiscs
         assert int(root["options"]["rate"]) * 8 == want, f"replica {n}: tc shows {root}, profile wants {want} bit/s"
-        # the entrypoint dropped root and every capability before starting the learner
-        status = compose(*exec_, "cat", "/proc/1/status").stdout
-        uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
-        cap_eff = next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:"))
-        assert uid != "0" and int(cap_eff, 16) == 0, f"replica {n}: learner runs as uid {uid} with caps {cap_eff}"
 
     # the coordinator exits 0 once the budget is spent, the learners drained and the
     # final evaluation written

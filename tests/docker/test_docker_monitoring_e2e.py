@@ -19,7 +19,8 @@ from docker_helpers import COMPOSE_FILE, run
 
 PROJECT = "ddiloco-monitoring-e2e"
 LEARNERS = 2
-SERVICES = ["coordinator", "outer", "learner-0", "learner-1", "prometheus"]
+# the `lan` profile's learner service, DDILOCO_LEARNERS replicas of it: one target each
+SERVICES = ["coordinator", "outer", "learner", "prometheus"]
 
 
 def _free_port() -> int:
@@ -82,8 +83,12 @@ def test_prometheus_in_compose_scrapes_every_service_and_has_ddiloco_samples(sta
 
     def all_up():
         targets = api("targets", state="active")["activeTargets"]
-        services = {t["labels"]["service"]: t["health"] for t in targets}
-        return services if set(services) == set(SERVICES) - {"prometheus"} and set(services.values()) == {"up"} else None
+        per: dict[str, list[str]] = {}
+        for t in targets:
+            per.setdefault(t["labels"]["service"], []).append(t["health"])
+        wanted = {"coordinator": 1, "outer": 1, "learner": LEARNERS}
+        ok = {k: len(v) for k, v in per.items()} == wanted and all(h == "up" for v in per.values() for h in v)
+        return per if ok else None
 
     up = poll(all_up, 120, "Prometheus to scrape coordinator, outer and both learners successfully")
     print(f"targets: {up}")

@@ -35,9 +35,9 @@ def main(args: argparse.Namespace) -> int:
     if args.reopen and args.run_dir is None:
         print("ddiloco coordinator: error: --reopen continues the run saved in --run-dir; give --run-dir", file=sys.stderr)
         return 2
-    svc = CoordinatorService(config, CoordinatorOptions(args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen))
     options = CoordinatorOptions(
-        args.bind, args.run_dir, args.exit_when_finished, metrics_port=args.metrics_port, status_port=args.status_port
+        args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen,
+        metrics_port=args.metrics_port, status_port=args.status_port,
     )
     svc = CoordinatorService(config, options)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
