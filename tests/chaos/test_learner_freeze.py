@@ -7,7 +7,10 @@ Quorum K=2 with 2 learners, so merges would wait for the frozen learner if its l
 expire; lease 3 s; staleness bound 2 rounds. Uploads go through the paced relay so the
 freeze catches a delta on the wire, and the relay holds that learner's link for as long as
 it is frozen (a stalled host stalls its link too; with SIGSTOP alone the kernel would still
-flush the bytes the process had already written)."""
+flush the bytes the process had already written). The freeze lasts longer than H leases, so
+the step it interrupted looks longer than any step can be: the learner counts a lease for it
+(event ``step_stalled``) instead of the stall, whose compute_seconds the outer optimizer would
+refuse as impossible, stopping the learner."""
 
 from __future__ import annotations
 
@@ -56,6 +59,10 @@ def test_frozen_learner_is_passed_over_then_catches_up(system_factory):  # noqa:
         lambda: sum(len(e["deltas"]) for e in s.merges_with(1, after=dead["t"])) >= 6, 180, "merges without learner 0"
     )
     assert not [e for e in s.events("delta_accepted") if e["learner"] == 0 and e["t"] > t_freeze], "a frozen learner sends nothing"
+    # frozen longer than a window may take (H = 5 steps x the 3 s lease): the stall must not
+    # count as compute, or the window's compute_seconds is refused and the learner stops
+    # (a scenario length, not synchronisation: nothing else is waited for here)
+    wait_until(lambda: time.time() - t_freeze > 5 * 3 + 1, 30, "a freeze longer than H leases")
     v_thaw = max(e["fragment_version"] for e in s.events("merge"))
     s.chaos.recover(fid)
     relay.release(conn)
@@ -75,6 +82,9 @@ def test_frozen_learner_is_passed_over_then_catches_up(system_factory):  # noqa:
     merged = wait_until(lambda: s.merges_with(0, after=t_thaw), 120, "learner 0's work to be merged again")
     i = [d[0] for d in merged[0]["deltas"]].index(0)
     assert merged[0]["staleness"][i] < 2, "after catching up its deltas are fresh again"
+    assert not [e for e in s.events("learner_failed") if e["learner"] == 0], "the stalled learner stopped"
+    claimed = [(e["steps"], e["compute_seconds"]) for e in s.events("window") if e["learner"] == 0]
+    assert all(c <= n * 3 for n, c in claimed), f"a window claims more compute than its steps can take: {claimed}"
     # and the coordinator counts it alive again
     m = s.cluster.membership()
     assert next(x for x in m.members if x.learner_id == 0).alive

@@ -334,6 +334,13 @@ class Learner:
                 # emulated slower hardware: the extra time counts as compute, as it would there
                 self.drain.wait((self.options.slowdown - 1) * dt)
                 dt = time.perf_counter() - t0
+            if dt > self.config.lease_timeout_s:
+                # No step takes longer than a lease (the learner would lose it first): the
+                # process did not run (SIGSTOP, a paused VM, swapping). That time is not
+                # compute, and counting it would give the window a compute_seconds the outer
+                # optimizer refuses as impossible, which stops the learner.
+                self.metrics.event("step_stalled", learner=self.learner_id, seconds=round(dt, 3))
+                dt = self.config.lease_timeout_s
             step += 1
             self.batch_index += 1
             self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
