@@ -13,11 +13,13 @@ Each method runs at two token budgets, N and 4N (total tokens across learners), 
 after the other. Output: a markdown table on stdout, ``<results>/quality[-quick|-gpu].json``
 and a PNG of eval loss against tokens. Run from the repository root:
 
-    python bench/quality.py              # CPU, ~25 minutes on 2 cores (see docs/quality.md)
+    python bench/quality.py              # CPU, ~6 minutes on 2 cores (see docs/quality.md)
     python bench/quality.py --quick      # smoke test of all six methods, ~3-5 minutes
     python bench/quality.py --device cuda
 
-Every number comes from the runs' own ``report.json`` and ``metrics.jsonl``.
+Every number comes from the runs' own ``report.json`` and ``metrics.jsonl``. Like every
+bench it refuses uncommitted changes in services/ or bench/ (``--allow-dirty`` marks the
+result instead) and records the load average at start and end (``provenance``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import math
 import pathlib
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ if str(ROOT / "services") not in sys.path:  # runs from a plain checkout too
     sys.path.insert(0, str(ROOT / "services"))
 
 from ddiloco.common.config import ModelConfig, RunConfig  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+import common_bench as cb  # noqa: E402
 
 METHODS = ["dp", "diloco-sync", "single", "ddiloco-int8", "ddiloco-int4", "ddiloco-int8-slow"]
 # ddiloco-int8-slow runs right after ddiloco-int8, which its tokens/s are divided by, so that
@@ -365,17 +369,6 @@ def plot(curves: dict[str, list], rows: list[dict], path: pathlib.Path) -> bool:
     return True
 
 
-def git_state() -> tuple[str, list[str]]:
-    """The commit measured, and the files under services/ that differed from it."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "services"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.splitlines()
-        return rev or "unknown", [line[3:] for line in dirty]
-    except OSError:
-        return "unknown", []
-
-
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -385,6 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=0, help="N in tokens (default: the preset's); 4N is also run")
     p.add_argument("--one-budget", action="store_true", help="run budget N only (for calibration; the targets need both)")
     p.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     p.add_argument("--runs-dir", type=pathlib.Path, default=None, help="run folders (default: runs/quality-<time>)")
     args = p.parse_args(argv)
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -420,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     taken = [d.name for b, _ in budgets for m in order if (d := runs / f"{m}-{b}").exists()]
     if taken:
         raise SystemExit(f"{runs} already holds run folders {taken}; choose another --runs-dir")
-    rev, dirty = git_state()  # at the start: the code that runs is the code of this moment
+    # at the start: the code that runs is the code of this moment (refuses a dirty tree)
+    prov = cb.start_provenance(args.allow_dirty or args.quick, "quality")
     rows, curves = [], {}
     t_start = time.monotonic()
     for budget_name, budget in budgets:
@@ -453,14 +448,15 @@ def main(argv: list[str] | None = None) -> int:
             "slow": {"learner": SLOW_LEARNER, "factor": SLOW_FACTOR},
             "method_flags": {m: method_flags(m) for m in order},
             "run_config": json.loads(cfg.to_json()),
-            "git_rev": rev,
-            "uncommitted_in_services": dirty,
+            "git_rev": prov["git_rev"],
+            "dirty": prov["dirty"],
             "python": platform.python_version(),
             "torch": __import__("torch").__version__,
             "cpus": __import__("os").cpu_count(),
             "total_seconds": round(time.monotonic() - t_start, 1),
             "bytes_exchanged": "per participant (rank or learner): bytes sent + received, mean over participants",
         },
+        "provenance": cb.finish_provenance(prov),
         "rows": rows,
         "targets": checks,
         "curves": {k: [[t, round(loss, 5)] for t, loss in v] for k, v in curves.items()},
