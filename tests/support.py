@@ -3,6 +3,7 @@ ambiguous as an import once several test folders have one."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from ddiloco.common.health import check
@@ -25,3 +26,17 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
 
 def wait_serving(address: str, timeout: float = 120.0) -> None:
     wait_until(lambda: check(address, timeout=1.0)[0], timeout, f"{address} to answer SERVING")
+
+
+def read_pty(fd: int) -> bytes:
+    """Everything written to a pseudo-terminal until every writer has closed it."""
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)

@@ -16,6 +16,7 @@ import termios
 import pytest
 
 from ddiloco.launcher.progress import Budget, Progress, Snapshot, plain_line
+from support import read_pty
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 SNAPSHOTS = [
@@ -63,19 +64,6 @@ def test_off_a_terminal_each_update_is_one_plain_line():
     assert text.splitlines() == [plain_line(s, Budget(150.0)) for s in SNAPSHOTS]
 
 
-def read_all(fd: int) -> str:
-    chunks = []
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:  # EIO: the other side is closed
-            break
-        if not data:
-            break
-        chunks.append(data)
-    return b"".join(chunks).decode()
-
-
 def screen_lines(raw: str) -> list[str]:
     """What each redraw puts on the terminal: the text between carriage returns/newlines."""
     return [seg for seg in re.split(r"[\r\n]", ANSI.sub("", raw)) if seg.strip()]
@@ -92,7 +80,7 @@ def test_on_a_terminal_one_line_is_redrawn_in_place_within_80_columns(columns):
         display.show(s)
     display.close()
     stream.close()
-    raw = read_all(master)
+    raw = read_pty(master).decode()
     os.close(master)
     assert raw.count("\n") <= 2, "one line redrawn in place, ended once when the display closes"
     assert "\r" in raw

@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from support import TINY_RUN, wait_until
+from support import TINY_RUN, read_pty, wait_until
 
 MAX_SECONDS = 6.0
 # --max-staleness: on a loaded machine one learner may fall behind the other far enough for
@@ -58,7 +58,7 @@ def stopped(tmp_path_factory):
     )
     os.close(slave)
     output: list[bytes] = []
-    reader = threading.Thread(target=lambda: output.append(read_all(master)), daemon=True)
+    reader = threading.Thread(target=lambda: output.append(read_pty(master)), daemon=True)
     reader.start()
     try:
         wait_until(lambda: len((latest_checkpoint(run) or {}).get("learners", {})) == 2, 240, "a checkpoint with both learners' work")
@@ -72,19 +72,6 @@ def stopped(tmp_path_factory):
     state = latest_checkpoint(run)  # the outer optimizer checkpoints on its way out
     coordinator = json.loads((run / "coordinator" / "state.json").read_text())
     return run, proc.returncode, b"".join(output).decode(errors="replace"), state, coordinator
-
-
-def read_all(fd: int) -> bytes:
-    chunks = []
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except OSError:  # EIO: every writer closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    return b"".join(chunks)
 
 
 @pytest.fixture(scope="module")

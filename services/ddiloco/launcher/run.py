@@ -138,17 +138,22 @@ def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints:
                 print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
                 return
             time.sleep(0.5)  # pacing of the progress display, not synchronisation
-            if time.monotonic() - last_look >= 2.0:
-                _learn_addresses(cluster, endpoints, cluster.membership())
-                last_look = time.monotonic()
             if options.progress and display is None:
                 budget = _budget(options.out)  # the coordinator writes config.json as it starts
                 display = Progress(sys.stderr, budget) if budget else None
-            if display is not None and time.monotonic() - last_print >= display.interval_s:
-                snap = read(cluster.membership())
+            now = time.monotonic()
+            look = now - last_look >= 2.0
+            show = display is not None and now - last_print >= display.interval_s
+            # one membership call serves both the endpoint addresses and the progress line
+            m = cluster.membership() if look or show else None
+            if look:
+                _learn_addresses(cluster, endpoints, m)
+                last_look = now
+            if show:
+                snap = read(m)
                 if snap is not None:
                     display.show(snap)
-                last_print = time.monotonic()
+                last_print = now
     finally:
         if display is not None:
             display.close()
