@@ -57,3 +57,20 @@ def test_the_events_held_for_goodput_are_bounded(tmp_path, monkeypatch):
         f.write(line(event="window", learner=0, fragment=0, steps=5, compute_seconds=0.1))
     w.poll()
     assert w.goodput_frozen and w._events == []
+
+
+def test_goodput_is_not_shown_until_a_first_window_has_merged(tmp_path):
+    w = make(tmp_path)
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(line(event="learner_registered", learner=0, source="coordinator", t=100.0))
+        f.write(line(event="learner_start", learner=0, source="learner-0", first_seq=1, t=100.5))
+        f.write(line(event="window", learner=0, source="learner-0", steps=5, compute_seconds=1.0, t=101.5))
+        f.write(line(event="upload_acked", learner=0, source="learner-0", seq=1, tokens=2560, compute_seconds=1.0, t=101.7))
+    w.poll()
+    w._account()
+    assert w.goodput is None  # in flight, not "0% goodput"
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(line(event="merge", fragment=0, version=1, deltas=[[0, 1]], staleness=[0.0], t=101.8))
+    w.poll()
+    w._account()
+    assert w.goodput is not None and 0 < w.goodput["goodput"] <= 1

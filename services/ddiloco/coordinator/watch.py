@@ -134,8 +134,11 @@ class RunWatch:
         if not events or self.goodput_frozen:
             return
         result = account(events, self.learners)
-        if result["goodput_accounting"].get("provisioned_s", 0) <= 0:
-            return  # no learner time provisioned yet: no share to show
+        if result["goodput_accounting"].get("merged_s", 0) <= 0:
+            # Until a first window has merged, every provisioned second is still in flight and
+            # the share would read 0%, which says "all wasted" when nothing has been decided
+            # yet: the page shows "–" until then.
+            return
         with self.lock:
             self.goodput = {"goodput": result["goodput"], "waste": result["waste"]}
 
