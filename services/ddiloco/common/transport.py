@@ -10,7 +10,16 @@ import numpy as np
 
 from ddiloco.common import codec
 from ddiloco.common.rpc import TRANSIENT, channel
-from ddiloco.common.wire import Refused, decode_payload, payload_info, reassemble, stream_messages
+from ddiloco.common.wire import (
+    OUTER_SERVICE,
+    Refused,
+    chunk_parser,
+    decode_payload,
+    payload_info,
+    reassemble,
+    serialize,
+    stream_frames,
+)
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 
@@ -40,6 +49,17 @@ class OuterClient:
         self.chunk_bytes = chunk_bytes
         self._channel = channel(address)
         self._stub = outer_pb2_grpc.OuterOptimizerStub(self._channel)
+        # the chunk streams with ready frames out and views in (common/wire.py)
+        self._push = self._channel.stream_unary(
+            f"/{OUTER_SERVICE}/PushDelta",
+            request_serializer=serialize,
+            response_deserializer=outer_pb2.PushDeltaResponse.FromString,
+        )
+        self._pull = self._channel.unary_stream(
+            f"/{OUTER_SERVICE}/PullGlobal",
+            request_serializer=outer_pb2.PullGlobalRequest.SerializeToString,
+            response_deserializer=chunk_parser(outer_pb2.GlobalChunk),
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -69,18 +89,26 @@ class OuterClient:
             fragment=fragment,
             compute_seconds=compute_seconds,
         )
-        messages = stream_messages(outer_pb2.DeltaChunk, header, enc.payload, self.chunk_bytes)
-        return self._stub.PushDelta(messages, timeout=timeout)
+        return self.push_payload(header, enc.payload, timeout)
 
-    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
-        stream = self._stub.PullGlobal(
+    def push_payload(self, header: outer_pb2.DeltaHeader, payload, timeout: float) -> outer_pb2.PushDeltaResponse:
+        """Stream ``payload`` under ``header`` (whose PayloadInfo describes it)."""
+        return self._push(stream_frames(outer_pb2.DeltaChunk, header, payload, self.chunk_bytes), timeout=timeout)
+
+    def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, bytearray]:
+        """One fragment's download as received, not decoded; raises ``Refused`` for a stream
+        that is not one."""
+        stream = self._pull(
             outer_pb2.PullGlobalRequest(
                 run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment
             ),
             timeout=timeout,
         )
+        return reassemble(stream, 1 << 34, "global parameters")
+
+    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
         try:
-            header, payload = reassemble(stream, 1 << 34, "global parameters")
+            header, payload = self.pull_payload(fragment, have_version, timeout)
             arrays = decode_payload(header.payload, payload)
         except Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc

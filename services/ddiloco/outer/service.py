@@ -18,7 +18,7 @@ from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
-from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
+from ddiloco.common.wire import Refused, add_outer_servicer, payload_info, reassemble, stream_frames
 from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.timing import SyncTiming
@@ -181,7 +181,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         )
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
-        yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+        yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
         # the download is part of what a grace window must leave time for (outer/timing.py)
         svc.timing.observe_pull(time.monotonic() - t0)
 
@@ -258,7 +258,7 @@ class OuterService:
             [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name],
             max_workers=16 + 4 * self.config.learners,
         )
-        outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
+        add_outer_servicer(OuterServicer(self), self.server.grpc_server)  # chunk streams without copies: common/wire.py
         self.server.start()
         host = self.options.bind.rsplit(":", 1)[0]
         self.address = self.options.advertise or f"{host}:{self.server.port}"
