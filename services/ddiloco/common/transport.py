@@ -76,7 +76,10 @@ class OuterClient:
         timeout: float,
         fragment: int = 0,
         compute_seconds: float = 0.0,
+        resume: bool = False,
     ) -> outer_pb2.PushDeltaResponse:
+        """Upload one delta. ``resume`` (a retry of the same delta): first ask how much of an
+        earlier, broken attempt the server holds, and send only the rest."""
         header = outer_pb2.DeltaHeader(
             run_id=self.run_id,
             learner_id=self.learner_id,
@@ -89,11 +92,34 @@ class OuterClient:
             fragment=fragment,
             compute_seconds=compute_seconds,
         )
+        offset = self.upload_offset(header, len(enc.payload), min(timeout, 10.0)) if resume else 0
+        if offset:
+            try:
+                return self.push_payload(header, enc.payload, timeout, offset)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                    raise
+                # the server let go of that part meanwhile (restart, eviction): all of it, then
         return self.push_payload(header, enc.payload, timeout)
 
-    def push_payload(self, header: outer_pb2.DeltaHeader, payload, timeout: float) -> outer_pb2.PushDeltaResponse:
-        """Stream ``payload`` under ``header`` (whose PayloadInfo describes it)."""
-        return self._push(stream_frames(outer_pb2.DeltaChunk, header, payload, self.chunk_bytes), timeout=timeout)
+    def upload_offset(self, header: outer_pb2.DeltaHeader, payload_bytes: int, timeout: float) -> int:
+        """Bytes of this upload the server holds from a broken attempt; 0 when it holds none,
+        answers anything outside the payload, or cannot say (an older server, a fault: the
+        push itself will tell)."""
+        try:
+            resp = self._stub.UploadOffset(outer_pb2.UploadOffsetRequest(header=header), timeout=timeout)
+        except grpc.RpcError:
+            return 0
+        return resp.offset if 0 < resp.offset < payload_bytes else 0
+
+    def push_payload(
+        self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0
+    ) -> outer_pb2.PushDeltaResponse:
+        """Stream ``payload`` from byte ``offset`` on under ``header`` (whose PayloadInfo
+        describes all of it)."""
+        header.offset = offset
+        rest = memoryview(payload)[offset:]
+        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
 
     def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, bytearray]:
         """One fragment's download as received, not decoded; raises ``Refused`` for a stream

@@ -173,33 +173,60 @@ def chunk_parser(message_cls) -> Callable[[bytes], object]:
     return parse
 
 
-def reassemble(messages: Iterable, max_payload_bytes: int, what: str):
+def reassemble(
+    messages: Iterable,
+    max_payload_bytes: int,
+    what: str,
+    resume: Callable[[object], bytearray] | None = None,
+    on_break: Callable[[object, bytearray], None] | None = None,
+):
     """Collect a header-then-data stream; returns (header, payload as a bytearray: handing
-    it on as it is saves a copy of the whole payload)."""
+    it on as it is saves a copy of the whole payload).
+
+    Resumable uploads: a header whose ``offset`` is not 0 continues a broken upload; after
+    checking that the offset lies inside the declared size, ``resume(header)`` returns the
+    ``offset`` bytes held for it (or raises ``Refused``), and the stream's data follows them.
+    If the stream breaks (the peer cancels, the connection drops), ``on_break(header,
+    bytes so far)`` may keep them for such a retry. Streams without either refuse offsets."""
     header = None
     buf = bytearray()
     declared = None
-    for i, msg in enumerate(messages):
-        if i == 0:
-            if not msg.HasField("header"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the first message carries no header")
-            header = msg.header
-            declared = header.payload.payload_bytes
-            if declared <= 0:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header declares {declared} payload bytes")
-            if declared > max_payload_bytes:
+    try:
+        for i, msg in enumerate(messages):
+            if i == 0:
+                if not msg.HasField("header"):
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the first message carries no header")
+                header = msg.header
+                declared = header.payload.payload_bytes
+                if declared <= 0:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header declares {declared} payload bytes")
+                if declared > max_payload_bytes:
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}",
+                    )
+                offset = getattr(header, "offset", 0)  # uploads only
+                if offset:
+                    if resume is None:
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: offset {offset}, but this stream does not resume")
+                    if not 0 < offset < declared:
+                        raise Refused(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{what}: offset {offset} lies outside the {declared} payload bytes the header declares",
+                        )
+                    buf = resume(header)
+            elif msg.HasField("header"):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header repeated in message {i}")
+            buf += msg.data
+            if len(buf) > declared:
                 raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{what}: received more than the {declared} payload bytes the header declares",
                 )
-        elif msg.HasField("header"):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header repeated in message {i}")
-        buf += msg.data
-        if len(buf) > declared:
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{what}: received more than the {declared} payload bytes the header declares",
-            )
+    except grpc.RpcError:  # the stream broke: what arrived may spare the retry a resend
+        if on_break is not None and header is not None and buf:
+            on_break(header, buf)
+        raise
     if header is None:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty stream")
     if len(buf) != declared:
@@ -236,6 +263,11 @@ def outer_handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
             servicer.Finalize,
             request_deserializer=outer_pb2.FinalizeRequest.FromString,
             response_serializer=outer_pb2.FinalizeResponse.SerializeToString,
+        ),
+        "UploadOffset": grpc.unary_unary_rpc_method_handler(
+            servicer.UploadOffset,
+            request_deserializer=outer_pb2.UploadOffsetRequest.FromString,
+            response_serializer=outer_pb2.UploadOffsetResponse.SerializeToString,
         ),
     }
 
