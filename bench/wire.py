@@ -37,7 +37,17 @@ TARGET_RATIO = 0.5
 
 
 # ----------------------------------------------------------------------------- servers
-def _grpc_server(ready, stop) -> None:
+def _with_options(extra: list[tuple[str, int]]) -> None:
+    """Add gRPC channel arguments to the project's server and client options (exploration:
+    ``--grpc-option``); the defaults are the services' own."""
+    from ddiloco.common import rpc
+
+    rpc.SERVER_OPTIONS = rpc.SERVER_OPTIONS + extra
+    rpc.CLIENT_OPTIONS = rpc.CLIENT_OPTIONS + extra
+
+
+def _grpc_server(ready, stop, extra: list[tuple[str, int]]) -> None:
+    _with_options(extra)
     from ddiloco.common.rpc import Server
     from ddiloco.common.wire import OUTER_SERVICE, add_outer_servicer, reassemble, stream_frames
     from ddiloco.v1 import common_pb2, outer_pb2, outer_pb2_grpc
@@ -126,7 +136,7 @@ def grpc_round(client, payload: bytes, op: str, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(mb: int, chunks_mb: list[float], repeats: int) -> list[dict]:
+def measure(mb: int, chunks_mb: list[float], repeats: int, extra: list[tuple[str, int]]) -> list[dict]:
     import numpy as np
 
     from ddiloco.common.transport import OuterClient
@@ -136,7 +146,8 @@ def measure(mb: int, chunks_mb: list[float], repeats: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     ready = ctx.Queue()
-    procs = [ctx.Process(target=_grpc_server, args=(ready, stop), daemon=True),
+    _with_options(extra)
+    procs = [ctx.Process(target=_grpc_server, args=(ready, stop, extra), daemon=True),
              ctx.Process(target=_tcp_server, args=(ready, stop, nbytes), daemon=True)]
     ports = []
     for p in procs:
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-mb", type=float, nargs="+", default=None,
                     help="chunk sizes to try, MiB (default: the run's default chunk size)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--grpc-option", action="append", default=[], metavar="KEY=INT",
+                    help="an extra gRPC channel argument for server and client, e.g. grpc.http2.max_frame_size=1048576")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = ap.parse_args(argv)
@@ -187,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     mb, repeats = (8, 1) if args.quick else (args.mb, args.repeats)
     chunks_mb = args.chunk_mb or [default_chunk_mb]
     prov = cb.start_provenance(args.allow_dirty or args.quick, "wire")
-    rows = measure(mb, chunks_mb, repeats)
+    extra = [(k, int(v)) for k, v in (o.split("=", 1) for o in args.grpc_option)]
+    rows = measure(mb, chunks_mb, repeats, extra)
     result = {
-        "bench": "wire", "quick": args.quick, "payload_mb": mb, "repeats": repeats,
+        "bench": "wire", "quick": args.quick, "payload_mb": mb, "repeats": repeats, "grpc_options": extra,
         "default_chunk_mb": default_chunk_mb, "provenance": cb.finish_provenance(prov), "rows": rows,
         "targets": [
             {"target": f"{r['direction']} {r['payload_mb']} MB, chunks of {r['chunk_mb']:g} MiB: gRPC >= {TARGET_RATIO}x TCP",

@@ -133,16 +133,19 @@ def _encode_flat(
     block_size: int,
     compression: str | None,
     residuals: bool = False,
+    addends: list[torch.Tensor | None] | None = None,
 ) -> Encoded:
     """Encode flat tensors; with ``residuals``, each input tensor is overwritten by its
-    quantization residual (the caller owns it: error feedback)."""
+    quantization residual (the caller owns it: error feedback), and what is encoded is the
+    tensor plus its ``addends`` entry where there is one."""
     compression = DEFAULT_COMPRESSION[codec] if compression is None else compression
     if compression not in COMPRESSIONS:
         raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     specs = tuple(TensorSpec(name, shape) for name, _, shape in named)
     raw = np.empty(raw_size(codec, block_size, specs), dtype=np.uint8)
     offset = 0
-    for name, x, _ in named:
+    for i, (name, x, _) in enumerate(named):
+        addend = addends[i] if addends is not None else None
         n = x.numel()
         if codec == "fp32":
             dst = raw[offset : offset + 4 * n].view("<f4")
@@ -160,11 +163,11 @@ def _encode_flat(
             codes_np = codes_np.view(np.int8)
         if x.device.type == "cpu":
             ok = qz.quantize(x, qmax, block_size, torch.from_numpy(scales_np), torch.from_numpy(codes_np),
-                             x if residuals else None)
+                             x if residuals else None, addend)
         else:  # quantize where the tensor lives; only the codes and scales cross to the host
             scales = torch.empty(nb, dtype=torch.float32, device=x.device)
             codes = torch.empty(ncodes, dtype=torch.int8 if codec == "int8" else torch.uint8, device=x.device)
-            ok = qz.quantize(x, qmax, block_size, scales, codes, x if residuals else None)
+            ok = qz.quantize(x, qmax, block_size, scales, codes, x if residuals else None, addend)
             scales_np[:] = scales.cpu().numpy()
             codes_np[:] = codes.cpu().numpy()
         if not ok:
@@ -314,29 +317,32 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residual: dict[str, np.ndarray | torch.Tensor] = {}
 
-    def _corrected(self, name: str, arr) -> tuple[np.ndarray | torch.Tensor, torch.Tensor]:
+    def _corrected(self, name: str, arr) -> tuple[np.ndarray | torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This round's input plus the residual, in a buffer this object owns: (the buffer as
-        kept, its flat float32 tensor)."""
+        kept, its flat float32 tensor, and what the quantizer still has to add to it: the
+        input, when the buffer holds the residual; residual + input == input + residual, bit
+        for bit)."""
         prev = self.residual.get(name)
         if isinstance(arr, torch.Tensor):
             a = arr.detach()
             if prev is not None:
                 if isinstance(prev, torch.Tensor) and a.dtype == torch.float32 and prev.shape == a.shape and prev.device == a.device:
-                    prev.add_(a)  # residual + input == input + residual, bit for bit
-                    return prev, prev.reshape(-1)
+                    return prev, prev.reshape(-1), a.contiguous().reshape(-1)
                 c = (a + torch.as_tensor(prev, device=a.device)).to(torch.float32).contiguous()
             else:
                 c = a.to(torch.float32, copy=True).contiguous()
-            return c, c.reshape(-1)
+            return c, c.reshape(-1), None
         a = np.asarray(arr)
         if prev is not None:
             if isinstance(prev, np.ndarray) and a.dtype == np.float32 and prev.shape == a.shape:
-                np.add(prev, a, out=prev)
-                return prev, torch.from_numpy(prev.reshape(-1))
+                flat_a = np.ascontiguousarray(a).reshape(-1)
+                if not flat_a.flags.writeable:
+                    flat_a = flat_a.copy()
+                return prev, torch.from_numpy(prev.reshape(-1)), torch.from_numpy(flat_a)
             c = np.ascontiguousarray(a + np.asarray(prev), dtype=np.float32)
         else:
             c = np.array(a, dtype=np.float32, order="C", copy=True)
-        return c, torch.from_numpy(c.reshape(-1))
+        return c, torch.from_numpy(c.reshape(-1)), None
 
     def encode(self, arrays: list, codec: str, block_size: int, compression: str | None = None) -> Encoded:
         _check_codec(codec, block_size)
@@ -346,13 +352,14 @@ class ErrorFeedback:
             for n, _ in arrays:  # sent exactly, residual included: nothing left to carry
                 self.residual.pop(n, None)
             return enc
-        named, kept = [], []
+        named, kept, addends = [], [], []
         for name, arr in arrays:
-            buf, flat = self._corrected(name, arr)
+            buf, flat, addend = self._corrected(name, arr)
             named.append((name, flat, tuple(int(d) for d in np.shape(arr))))
             kept.append((name, buf))
+            addends.append(addend)
         try:
-            enc = _encode_flat(named, codec, block_size, compression, residuals=True)
+            enc = _encode_flat(named, codec, block_size, compression, residuals=True, addends=addends)
         except CodecError:
             for name, _ in arrays:  # the buffers are half overwritten: start these tensors afresh
                 self.residual.pop(name, None)
