@@ -170,7 +170,7 @@ class Learner:
         if codec == "fp32":
             return [torch.from_numpy(x) for _, x in arrays]
         enc = self.ef.encode(arrays, codec, block)
-        dec = codec_mod.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
+        dec = codec_mod.decode_encoded(enc)
         return [torch.from_numpy(np.ascontiguousarray(x)) for _, x in dec]
 
 

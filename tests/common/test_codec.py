@@ -16,7 +16,7 @@ finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=32)
 
 def _roundtrip(named, name, block):
     enc = codec.encode(named, name, block)
-    return enc, codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256, len(enc.payload))
+    return enc, codec.decode_encoded(enc)
 
 
 @settings(max_examples=60, deadline=None)
@@ -49,7 +49,7 @@ def test_every_shape_is_handled_including_scalars_and_odd_lengths():
         assert [a.shape for _, a in out] == [(), (7,), (3, 5, 2)]
 
 
-def test_int4_packs_two_values_per_byte():
+def test_int4_packs_two_values_per_byte():  # and the payload is not compressed by default
     arr = np.random.default_rng(0).normal(size=4096).astype(np.float32)
     enc8 = codec.encode([("t", arr)], "int8", 64)
     enc4 = codec.encode([("t", arr)], "int4", 64)
@@ -65,7 +65,7 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_close_to_the_truth():
     for _ in range(50):
         d = rng.normal(scale=0.01, size=1000).astype(np.float32)
         enc = fb.encode([("d", d)], "int4", 32)
-        sent = codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)[0][1]
+        sent = codec.decode_encoded(enc)[0][1]
         true_sum += d
         sent_sum += sent
     # the gap is bounded by one round's residual, not 50 rounds of accumulated error
@@ -94,7 +94,7 @@ def test_error_feedback_keeps_each_fragments_residual_until_its_own_next_upload(
         for group in groups:
             deltas = [(n, rng.normal(scale=0.01, size=TENSORS[n]).astype(np.float32)) for n in group]
             enc = fb.encode(deltas, codec_name, 32)
-            sent = dict(codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256))
+            sent = dict(codec.decode_encoded(enc))
             for n, d in deltas:
                 true_sum[n] += d
                 sent_sum[n] += sent[n]
@@ -119,26 +119,26 @@ def encoded():
 
 def test_truncated_payload_is_refused(encoded):
     with pytest.raises(codec.CodecError, match="truncated"):
-        codec.decode(encoded.payload[:-5], "int8", 64, encoded.specs, encoded.sha256, len(encoded.payload))
+        codec.decode(encoded.payload[:-5], "int8", 64, encoded.specs, encoded.digest, len(encoded.payload), compression="none")
 
 
 def test_checksum_mismatch_is_refused(encoded):
     corrupt = bytearray(encoded.payload)
     corrupt[len(corrupt) // 2] ^= 0xFF
     with pytest.raises(codec.CodecError, match="checksum"):
-        codec.decode(bytes(corrupt), "int8", 64, encoded.specs, encoded.sha256, len(corrupt))
+        codec.decode(bytes(corrupt), "int8", 64, encoded.specs, encoded.digest, len(corrupt), compression="none")
 
 
 def test_shape_that_disagrees_with_the_payload_length_is_refused(encoded):
     specs = (codec.TensorSpec("w", (10, 31)),)
     with pytest.raises(codec.CodecError, match="does not match"):
-        codec.decode(encoded.payload, "int8", 64, specs, encoded.sha256)
+        codec.decode(encoded.payload, "int8", 64, specs, encoded.digest, compression="none")
 
 
 def test_wrong_dtype_is_refused(encoded):
     specs = (codec.TensorSpec("w", (10, 30), "float16"),)
     with pytest.raises(codec.CodecError, match="dtype"):
-        codec.decode(encoded.payload, "int8", 64, specs, encoded.sha256)
+        codec.decode(encoded.payload, "int8", 64, specs, encoded.digest, compression="none")
 
 
 def test_nan_inside_a_valid_payload_is_refused():
@@ -149,4 +149,4 @@ def test_nan_inside_a_valid_payload_is_refused():
     raw = np.array([1.0, np.nan, 2.0], dtype="<f4").tobytes()
     payload = zstandard.ZstdCompressor().compress(raw)
     with pytest.raises(codec.CodecError, match="NaN or Inf"):
-        codec.decode(payload, "fp32", 64, (codec.TensorSpec("x", (3,)),), hashlib.sha256(payload).hexdigest())
+        codec.decode(payload, "fp32", 64, (codec.TensorSpec("x", (3,)),), hashlib.sha256(payload).hexdigest(), fmt=1)

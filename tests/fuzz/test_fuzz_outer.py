@@ -12,12 +12,15 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
   [1, 64 H], tokens that are no whole batch per step (or inflated up to 2^63 - 1), a
   compute time that is NaN, infinite, negative or longer than a lease per step, a base
   version from the future, a fragment that does not exist; and on the stream: truncated,
-  padded, garbled bytes, a wrong declared size or digest, an unknown codec, an invalid
+  padded, garbled bytes, a wrong declared size or digest, an unknown payload format or
+  compression, an unknown codec, an invalid
   block size, tensor specs with another count, name, shape or dtype, a payload that is not
   zstd, NaN/Inf values, values far beyond what H AdamW steps can move, a stream without
-  header, with a repeated header, or empty. The valid base itself is encoded with an
-  arbitrary even block size up to 2^31 - 2. A "wild" form draws every field at random.
+  header, with a repeated header, or empty, or resuming at an offset nothing is held for. The valid base itself is encoded with an
+  arbitrary even block size up to 2^31 - 2, in payload format 1 (zstd, SHA-256) or 2
+  (uncompressed or zstd, XXH3-128). A "wild" form draws every field at random.
 * ``PullGlobal``: any run id, learner id, have_version, fragment.
+* ``UploadOffset``: any run id, learner id, sequence, offset, declared size.
 * ``GetStatus``: any wait_newer_than, wait_ms either short (<= 30 ms) or above the bound.
 * ``Finalize`` while the run is running; ``grpc.health.v1`` Check with any service name.
 
@@ -50,7 +53,8 @@ from outer_helpers import Remote, register  # noqa: E402
 
 from ddiloco.common.config import RunConfig  # noqa: E402
 from ddiloco.common.rpc import channel  # noqa: E402
-from ddiloco.common.wire import PB_TO_CODEC  # noqa: E402
+from ddiloco.common import codec  # noqa: E402
+from ddiloco.common.wire import COMPRESSION_TO_PB, PB_TO_CODEC, PB_TO_COMPRESSION  # noqa: E402
 from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc  # noqa: E402
 
 RUN_ID = "fuzz-run"
@@ -58,23 +62,28 @@ DIGEST_EVERY = 500
 
 
 # ---------------------------------------------------------------- payloads of any block size
-def encode_int8(specs, scale: float, block_size: int, q_value: int = 1) -> tuple[common_pb2.PayloadInfo, bytes]:
+def encode_int8(
+    specs, scale: float, block_size: int, q_value: int = 1, fmt: int = 1, compression: str = "zstd"
+) -> tuple[common_pb2.PayloadInfo, bytes]:
     """An int8 payload for ``specs`` with every value ``q_value x scale``, built in O(numel)
-    for any block size (the codec's own encoder pads to whole blocks)."""
+    for any block size (the codec's own encoder pads to whole blocks); payload format
+    ``fmt`` (format 1 is always zstd)."""
     parts = []
     for _, shape in specs:
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         nb = -(-n // block_size)
         parts.append(np.full(nb, scale, dtype="<f4").tobytes())
         parts.append(np.full(n, q_value, dtype=np.int8).tobytes())
-    payload = zstandard.ZstdCompressor(level=1).compress(b"".join(parts))
+    raw = b"".join(parts)
+    payload = zstandard.ZstdCompressor(level=1).compress(raw) if fmt == 1 or compression == "zstd" else raw
     info = common_pb2.PayloadInfo(
         codec=common_pb2.CODEC_INT8,
         block_size=block_size,
         tensors=[common_pb2.TensorSpec(name=n, shape=list(s), dtype="float32") for n, s in specs],
-        payload_bytes=len(payload),
-        sha256=hashlib.sha256(payload).hexdigest(),
     )
+    if fmt == 2:
+        info.format, info.compression = 2, COMPRESSION_TO_PB[compression]
+    rehash(info, payload)
     return info, payload
 
 
@@ -98,8 +107,12 @@ def encode_fp32(specs, values: np.ndarray | None = None, bad_at: int = 0, bad: f
 
 
 def rehash(info: common_pb2.PayloadInfo, payload: bytes) -> None:
+    """The declared size and the digest of ``info``'s format, made true for ``payload``."""
     info.payload_bytes = len(payload)
-    info.sha256 = hashlib.sha256(payload).hexdigest()
+    if info.format == 2:
+        info.xxh3_128 = codec.digest_of(payload, 2)
+    else:
+        info.sha256 = hashlib.sha256(payload).hexdigest()
 
 
 # ---------------------------------------------------------------- the system under test
@@ -164,7 +177,8 @@ HEADER_POISONS = ["run_id", "learner", "seq_nonpositive", "seq_repeat", "seq_jum
                   "compute_seconds", "base_future", "fragment"]
 STREAM_POISONS = ["truncate", "pad", "flip", "declared_bytes", "sha", "codec", "block_size", "spec_count", "spec_name",
                   "spec_shape", "spec_dtype", "not_zstd", "non_finite", "magnitude", "no_header", "header_repeated",
-                  "empty_stream"]
+                  "empty_stream", "format", "compression", "offset"]
+FORMS = [(1, "zstd"), (2, "none"), (2, "zstd")]  # (payload format, compression) of the valid base
 
 
 @st.composite
@@ -173,7 +187,8 @@ def push_requests(draw, s: System, version: int):
     if draw(st.integers(0, 19)) == 0:
         return ["wild"], draw(wild_push())
     block = draw(st.one_of(st.just(64), st.integers(1, (1 << 30) - 1).map(lambda k: 2 * k)))
-    info, payload = encode_int8(s.specs, 1e-5, block)
+    fmt, compression = draw(st.sampled_from(FORMS))
+    info, payload = encode_int8(s.specs, 1e-5, block, fmt=fmt, compression=compression)
     learner = draw(st.sampled_from(s.ids))
     header = outer_pb2.DeltaHeader(
         run_id=RUN_ID, learner_id=learner, base_version=version, tokens=s.tokens, inner_steps=s.h,
@@ -227,8 +242,19 @@ def push_requests(draw, s: System, version: int):
         elif p == "declared_bytes":
             info.payload_bytes = draw(int64s().filter(lambda n: n != len(payload)))
         elif p == "sha":
-            info.sha256 = draw(st.one_of(texts(100), st.binary(min_size=32, max_size=32).map(bytes.hex)).filter(
-                lambda h: h != hashlib.sha256(payload).hexdigest()))
+            if info.format == 2:
+                info.xxh3_128 = draw(st.one_of(texts(60), st.binary(min_size=16, max_size=16).map(bytes.hex)).filter(
+                    lambda h: h != codec.digest_of(payload, 2)))
+            else:
+                info.sha256 = draw(st.one_of(texts(100), st.binary(min_size=32, max_size=32).map(bytes.hex)).filter(
+                    lambda h: h != hashlib.sha256(payload).hexdigest()))
+        elif p == "format":
+            info.format = draw(st.integers(3, UINT32_MAX))
+        elif p == "offset":  # a resumption of an upload nothing is held for, or outside the payload
+            header.offset = draw(st.one_of(st.integers(-(1 << 63), -1), st.integers(1, (1 << 63) - 1)))
+        elif p == "compression":
+            info.format = 2
+            info.compression = draw(int32s().filter(lambda c: c not in PB_TO_COMPRESSION))
         elif p == "codec":
             info.codec = draw(int32s().filter(lambda c: c not in PB_TO_CODEC))
         elif p == "block_size":
@@ -259,7 +285,8 @@ def push_requests(draw, s: System, version: int):
                 s.specs, bad_at=draw(st.integers(0, n - 1)), bad=draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
             )
         elif p == "magnitude":
-            info, payload = encode_int8(s.specs, draw(st.floats(10.0, 1e30)), block, q_value=127)
+            info, payload = encode_int8(s.specs, draw(st.floats(10.0, 1e30)), block, q_value=127, fmt=fmt,
+                                        compression=compression)
         elif p in ("no_header", "header_repeated", "empty_stream"):
             structure = p
     header.payload.CopyFrom(info)
@@ -281,6 +308,8 @@ def wild_push(draw):
     payload = draw(st.binary(max_size=4096))
     info = common_pb2.PayloadInfo(
         codec=draw(int32s()), block_size=draw(int32s()), payload_bytes=draw(int64s()), sha256=draw(texts(80)),
+        format=draw(st.one_of(st.integers(0, 3), st.integers(0, UINT32_MAX))), compression=draw(int32s()),
+        xxh3_128=draw(texts(40)),
         tensors=[
             common_pb2.TensorSpec(name=draw(texts(40)), shape=draw(st.lists(int64s(), max_size=4)), dtype=draw(texts(12)))
             for _ in range(draw(st.integers(0, 4)))
@@ -305,6 +334,16 @@ def pull_requests(s: System):
     )
 
 
+def upload_offset_requests(s: System, version: int):
+    """Any header: nothing is ever held here (no fuzzed stream breaks), so 0 or a refusal."""
+    return st.builds(
+        lambda run_id, learner, seq, offset, size: outer_pb2.UploadOffsetRequest(header=outer_pb2.DeltaHeader(
+            run_id=run_id, learner_id=learner, seq=seq, offset=offset, base_version=version,
+            payload=common_pb2.PayloadInfo(payload_bytes=size))),
+        st.one_of(st.just(RUN_ID), texts()), st.one_of(st.sampled_from(s.ids), int32s()), int64s(), int64s(), int64s(),
+    )
+
+
 def status_requests():
     return st.builds(
         outer_pb2.StatusRequest,
@@ -320,6 +359,7 @@ def requests(s: System, version: int):
         push_requests(s, version).map(lambda r: ("PushDelta", r)),
         push_requests(s, version).map(lambda r: ("PushDelta", r)),
         pull_requests(s).map(lambda r: ("PullGlobal", r)),
+        upload_offset_requests(s, version).map(lambda r: ("UploadOffset", r)),
         status_requests().map(lambda r: ("GetStatus", r)),
         st.integers(0, 9).map(lambda _: ("Finalize", outer_pb2.FinalizeRequest())),
         texts(60).map(lambda n: ("Health", health_pb2.HealthCheckRequest(service=n))),
@@ -351,6 +391,10 @@ def test_hostile_requests_get_precise_statuses_and_change_nothing(system, exampl
             if code == grpc.StatusCode.OK:
                 assert req.learner_id in s.ids and req.fragment == 0 and req.run_id in ("", RUN_ID), req
                 assert resp[0].header.version == version
+        elif rpc == "UploadOffset":
+            resp, code = calls.call(lambda: s.stub.UploadOffset(req, timeout=30))
+            if code == grpc.StatusCode.OK:
+                assert resp.offset == 0 and req.header.learner_id in s.ids and req.header.run_id == RUN_ID, (req, resp)
         elif rpc == "GetStatus":
             resp, code = calls.call(lambda: s.stub.GetStatus(req, timeout=30))
             assert (code == grpc.StatusCode.OK) == (req.wait_ms <= 10_000), (req, code)
@@ -381,7 +425,7 @@ def test_a_delta_with_a_huge_block_size_is_decoded_in_time_proportional_to_its_v
 
     s = system
     before, params = s.fingerprint(), s.remote.global_state()
-    info, payload = encode_int8(s.specs, 1e3, (1 << 31) - 2, q_value=127)
+    info, payload = encode_int8(s.specs, 1e3, (1 << 31) - 2, q_value=127, fmt=2, compression="none")
     header = outer_pb2.DeltaHeader(
         run_id=RUN_ID, learner_id=s.a, base_version=before[0], tokens=s.tokens, inner_steps=s.h, seq=s.last_seq[s.a] + 1,
         payload=info,

@@ -125,7 +125,7 @@ def test_wrong_length(probe):
     short = zstandard.ZstdCompressor().compress(zstandard.ZstdDecompressor().decompress(enc.payload)[:-8])
     header = probe.header(enc, probe.seq, probe.ids[0])
     header.payload.payload_bytes = len(short)
-    header.payload.sha256 = hashlib.sha256(short).hexdigest()
+    header.payload.xxh3_128 = codec.digest_of(short)
     refused(probe, lambda: probe.push_raw(header, short), grpc.StatusCode.INVALID_ARGUMENT, "does not match")
 
 
@@ -136,7 +136,7 @@ def test_nan_filled_delta(probe):
     payload = zstandard.ZstdCompressor().compress(bytes(raw))
     header = probe.header(enc, probe.seq, probe.ids[0])
     header.payload.payload_bytes = len(payload)
-    header.payload.sha256 = hashlib.sha256(payload).hexdigest()
+    header.payload.xxh3_128 = codec.digest_of(payload)
     refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "NaN or Inf")
 
 

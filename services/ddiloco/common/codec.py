@@ -1,4 +1,4 @@
-"""Wire codec for tensors: per-block absmax quantization, then zstd.
+"""Wire codec for tensors: per-block absmax quantization, optional zstd, a digest.
 
 Payload layout (before compression), for each tensor in order:
 
@@ -9,11 +9,24 @@ Payload layout (before compression), for each tensor in order:
   4-bit values each (low nibble first, offset by 8), ``scale = absmax(block) / 7``.
 
 Blocks run over the flattened tensor, so every shape (0-d, 1-d, n-d) is handled alike; the
-last block of a tensor may be short. The compressed payload is protected by a SHA-256.
+last block of a tensor may be short. The arithmetic is in ``quantize.py``.
 
-Decoding trusts nothing: it checks the compressed length and digest, the decompressed
-length against what the tensor specs imply, and that every value is finite. Any failure
-raises ``CodecError`` with a message that says what was wrong.
+Formats (``PayloadInfo.format``): the layout above is the same in both; what differs is
+the envelope.
+
+* 1, the first: always zstd (level 3), protected by a SHA-256 of the payload as sent.
+  Decoded still (journals and peers of earlier versions); no longer written.
+* 2: compressed as the header says (``none`` or ``zstd``), protected by an XXH3-128 of the
+  payload as sent. Per codec, zstd is used only where it pays for its time
+  (``DEFAULT_COMPRESSION``). The digest guards against corruption in transit and on disk,
+  which is all SHA-256 did here too (an unkeyed digest proves nothing against someone who
+  can rewrite the header), at a small fraction of the time.
+
+A format this version does not know is refused, naming it.
+
+Decoding trusts nothing: it checks the format, the length and digest of what arrived, the
+decompressed length against what the tensor specs imply, and that every value is finite.
+Any failure raises ``CodecError`` with a message that says what was wrong.
 """
 
 from __future__ import annotations
@@ -22,11 +35,22 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import xxhash
 import zstandard
+
+from ddiloco.common import quantize as qz
 
 CODECS = ("fp32", "int8", "int4")
 _QMAX = {"int8": 127, "int4": 7}
+FORMAT = 2  # what encode writes
+FORMATS = (1, 2)  # what decode reads
+COMPRESSIONS = ("none", "zstd")
 ZSTD_LEVEL = 3
+# zstd saves ~5% of an int8 payload and ~12% of an int4 one (literals only: quantized
+# values hold no repeats to match), at a cost several times that of the quantization
+# itself; full fp32 fragments (a learner joining) are rare.
+DEFAULT_COMPRESSION = {"fp32": "zstd", "int8": "none", "int4": "none"}
 
 
 class CodecError(ValueError):
@@ -49,9 +73,11 @@ class Encoded:
     codec: str
     block_size: int
     specs: tuple[TensorSpec, ...]
-    payload: bytes  # compressed
-    sha256: str
+    payload: bytes  # as sent
+    digest: str  # format 2: hex XXH3-128 of ``payload``
     raw_bytes: int  # size before compression, for logs
+    compression: str = "none"
+    format: int = FORMAT
 
 
 def _nblocks(numel: int, block_size: int) -> int:
@@ -74,90 +100,130 @@ def raw_size(codec: str, block_size: int, specs: tuple[TensorSpec, ...]) -> int:
     return total
 
 
-def _quantize(flat: np.ndarray, codec: str, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    qmax = _QMAX[codec]
-    n = flat.size
-    nb = _nblocks(n, block_size)
-    padded = np.zeros(nb * block_size, dtype=np.float32)
-    padded[:n] = flat
-    blocks = padded.reshape(nb, block_size)
-    absmax = np.abs(blocks).max(axis=1)
-    scales = (absmax / qmax).astype(np.float32)
-    safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
-    q = np.rint(blocks / safe[:, None]).clip(-qmax, qmax).astype(np.int8).reshape(-1)[:n]
-    return scales, q
+def digest_of(payload, fmt: int = FORMAT) -> str:
+    """The digest a header of format ``fmt`` carries for ``payload`` (hex)."""
+    if fmt == 1:
+        return hashlib.sha256(payload).hexdigest()
+    return xxhash.xxh3_128_hexdigest(payload)
 
 
-def _dequantize(scales: np.ndarray, q: np.ndarray, block_size: int) -> np.ndarray:
-    # O(numel) whatever the block size: ``block_size`` comes from the sender's header, and
-    # padding to whole blocks made a header with block_size 2^31 allocate 8 GiB per tensor
-    n = q.size
-    full = min(n // block_size, scales.size)
-    out = np.empty(n, dtype=np.float32)
-    head = full * block_size
-    if full:
-        out[:head] = (q[:head].astype(np.float32).reshape(full, block_size) * scales[:full, None]).reshape(-1)
-    if head < n:
-        out[head:] = q[head:].astype(np.float32) * scales[full]
-    return out
+# ----------------------------------------------------------------------------- encoding
+def _flat(arr) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A flat float32 contiguous tensor of ``arr`` (numpy or torch, any device), sharing
+    memory where it can, and the shape."""
+    if isinstance(arr, torch.Tensor):
+        t = arr.detach()
+        return t.to(torch.float32).contiguous().reshape(-1), tuple(int(d) for d in t.shape)
+    flat = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    if not flat.flags.writeable:  # torch wants a writable buffer; this codec never writes it
+        flat = flat.copy()
+    return torch.from_numpy(flat), tuple(int(d) for d in np.shape(arr))
 
 
-def _pack_int4(q: np.ndarray) -> np.ndarray:
-    u = (q.astype(np.int16) + 8).astype(np.uint8)
-    if u.size % 2:
-        u = np.concatenate([u, np.full(1, 8, dtype=np.uint8)])
-    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
-
-
-def _unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
-    out = np.empty(packed.size * 2, dtype=np.int8)
-    out[0::2] = (packed & 0x0F).astype(np.int8) - 8
-    out[1::2] = (packed >> 4).astype(np.int8) - 8
-    return out[:n]
-
-
-def encode(
-    arrays: list[tuple[str, np.ndarray]], codec: str = "int8", block_size: int = 64
-) -> Encoded:
-    """Encode named float arrays. Non-finite inputs are refused: they would poison a merge."""
+def _check_codec(codec: str, block_size: int) -> None:
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
     if block_size < 2 or block_size % 2:
         raise CodecError(f"block size must be an even number >= 2, got {block_size}")
-    parts: list[bytes] = []
-    specs = []
-    for name, arr in arrays:
-        flat = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
-        if not np.isfinite(flat).all():
-            raise CodecError(f"tensor {name!r} holds NaN or Inf")
-        specs.append(TensorSpec(name, tuple(int(d) for d in np.shape(arr))))
+
+
+def _encode_flat(
+    named: list[tuple[str, torch.Tensor, tuple[int, ...]]],
+    codec: str,
+    block_size: int,
+    compression: str | None,
+    residuals: bool = False,
+    addends: list[torch.Tensor | None] | None = None,
+) -> Encoded:
+    """Encode flat tensors; with ``residuals``, each input tensor is overwritten by its
+    quantization residual (the caller owns it: error feedback), and what is encoded is the
+    tensor plus its ``addends`` entry where there is one."""
+    compression = DEFAULT_COMPRESSION[codec] if compression is None else compression
+    if compression not in COMPRESSIONS:
+        raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
+    specs = tuple(TensorSpec(name, shape) for name, _, shape in named)
+    raw = np.empty(raw_size(codec, block_size, specs), dtype=np.uint8)
+    offset = 0
+    for i, (name, x, _) in enumerate(named):
+        addend = addends[i] if addends is not None else None
+        n = x.numel()
         if codec == "fp32":
-            parts.append(flat.astype("<f4").tobytes())
+            dst = raw[offset : offset + 4 * n].view("<f4")
+            dst[:] = x.cpu().numpy()
+            if not np.isfinite(dst).all():
+                raise CodecError(f"tensor {name!r} holds NaN or Inf")
+            offset += 4 * n
             continue
-        scales, q = _quantize(flat, codec, block_size)
-        parts.append(scales.astype("<f4").tobytes())
-        parts.append((_pack_int4(q) if codec == "int4" else q).tobytes())
-    raw = b"".join(parts)
-    payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+        qmax = _QMAX[codec]
+        nb = _nblocks(n, block_size)
+        ncodes = n if codec == "int8" else (n + 1) // 2
+        scales_np = raw[offset : offset + 4 * nb].view("<f4")
+        codes_np = raw[offset + 4 * nb : offset + 4 * nb + ncodes]
+        if codec == "int8":
+            codes_np = codes_np.view(np.int8)
+        if x.device.type == "cpu":
+            ok = qz.quantize(x, qmax, block_size, torch.from_numpy(scales_np), torch.from_numpy(codes_np),
+                             x if residuals else None, addend)
+        else:  # quantize where the tensor lives; only the codes and scales cross to the host
+            scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+            codes = torch.empty(ncodes, dtype=torch.int8 if codec == "int8" else torch.uint8, device=x.device)
+            ok = qz.quantize(x, qmax, block_size, scales, codes, x if residuals else None, addend)
+            scales_np[:] = scales.cpu().numpy()
+            codes_np[:] = codes.cpu().numpy()
+        if not ok:
+            raise CodecError(f"tensor {name!r} holds NaN or Inf")
+        offset += 4 * nb + ncodes
+    if compression == "zstd":
+        payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
+    else:
+        payload = raw.tobytes()
     return Encoded(
         codec=codec,
         block_size=block_size,
-        specs=tuple(specs),
+        specs=specs,
         payload=payload,
-        sha256=hashlib.sha256(payload).hexdigest(),
-        raw_bytes=len(raw),
+        digest=digest_of(payload),
+        raw_bytes=raw.size,
+        compression=compression,
     )
 
 
+def encode(arrays: list, codec: str = "int8", block_size: int = 64, compression: str | None = None) -> Encoded:
+    """Encode named float arrays (numpy, or torch on any device). Non-finite inputs are
+    refused: they would poison a merge. ``compression``: ``none`` or ``zstd``; by default
+    the codec's ``DEFAULT_COMPRESSION``."""
+    _check_codec(codec, block_size)
+    named = []
+    for name, arr in arrays:
+        t, shape = _flat(arr)
+        named.append((name, t, shape))
+    return _encode_flat(named, codec, block_size, compression)
+
+
+# ----------------------------------------------------------------------------- decoding
 def decode(
-    payload: bytes,
+    payload,
     codec: str,
     block_size: int,
     specs: tuple[TensorSpec, ...],
-    sha256: str,
+    digest: str,
     payload_bytes: int | None = None,
+    *,
+    fmt: int = FORMAT,
+    compression: str | None = None,
 ) -> list[tuple[str, np.ndarray]]:
-    """Validate and decode a payload into named float32 arrays, in spec order."""
+    """Validate and decode a payload into named float32 arrays, in spec order. ``digest``
+    is the one of format ``fmt`` (format 1: SHA-256; 2: XXH3-128); format 1 payloads are
+    zstd, format 2 ones as ``compression`` says."""
+    if fmt not in FORMATS:
+        raise CodecError(
+            f"payload format {fmt} is unknown to this version, which reads formats {FORMATS}: "
+            "the peer runs a newer ddiloco; run one version throughout"
+        )
+    if fmt == 1:
+        compression = "zstd"
+    elif compression not in COMPRESSIONS:
+        raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}")
     if codec != "fp32" and (block_size < 2 or block_size % 2):
@@ -169,52 +235,66 @@ def decode(
             raise CodecError(f"tensor {spec.name!r} has a negative dimension {spec.shape}")
     if payload_bytes is not None and len(payload) != payload_bytes:
         raise CodecError(f"payload truncated or padded: header says {payload_bytes} bytes, got {len(payload)}")
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != sha256:
-        raise CodecError(f"checksum mismatch: header sha256 {sha256[:16]}..., payload has {digest[:16]}...")
+    got = digest_of(payload, fmt)
+    if got != digest:
+        what = "sha256" if fmt == 1 else "xxh3_128"
+        raise CodecError(f"checksum mismatch: header {what} {digest[:16]}..., payload has {got[:16]}...")
     expected = raw_size(codec, block_size, specs)
-    try:
-        # max_output_size bounds memory: a decompression bomb cannot exceed what specs imply.
-        raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected + 1)
-    except zstandard.ZstdError as exc:
-        raise CodecError(f"payload is not valid zstd: {exc}") from exc
+    if compression == "zstd":
+        try:
+            # max_output_size bounds memory: a decompression bomb cannot exceed what specs imply.
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected + 1)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"payload is not valid zstd: {exc}") from exc
+    else:
+        raw = payload
     if len(raw) != expected:
         raise CodecError(f"decoded length {len(raw)} bytes does not match the {expected} bytes the tensor specs imply")
+    buf = np.frombuffer(raw, dtype=np.uint8)
     out = []
     offset = 0
-    buf = memoryview(raw)
     for spec in specs:
         n = spec.numel
+        values = np.empty(n, dtype=np.float32)
         if codec == "fp32":
-            values = np.frombuffer(buf[offset : offset + 4 * n], dtype="<f4").astype(np.float32)
+            values[:] = buf[offset : offset + 4 * n].view("<f4")
             offset += 4 * n
+            finite = bool(np.isfinite(values).all())
         else:
             nb = _nblocks(n, block_size)
-            scales = np.frombuffer(buf[offset : offset + 4 * nb], dtype="<f4").astype(np.float32)
+            scales = torch.from_numpy(buf[offset : offset + 4 * nb].view("<f4").astype(np.float32))
             offset += 4 * nb
-            if not np.isfinite(scales).all():
+            if not bool(torch.isfinite(scales).all()):
                 raise CodecError(f"tensor {spec.name!r} has non-finite block scales")
-            if codec == "int8":
-                q = np.frombuffer(buf[offset : offset + n], dtype=np.int8)
-                offset += n
-            else:
-                nbytes = (n + 1) // 2
-                q = _unpack_int4(np.frombuffer(buf[offset : offset + nbytes], dtype=np.uint8), n)
-                offset += nbytes
-            values = _dequantize(scales, q, block_size)
-        if not np.isfinite(values).all():
+            ncodes = n if codec == "int8" else (n + 1) // 2
+            codes = buf[offset : offset + ncodes]
+            offset += ncodes
+            qz.dequantize(codes.view(np.int8) if codec == "int8" else codes, _QMAX[codec], block_size, scales,
+                          torch.from_numpy(values))
+            # finite scales small enough make every value finite; only huge ones need a look
+            finite = qz.scales_are_safe(scales) or bool(np.isfinite(values).all())
+        if not finite:
             raise CodecError(f"tensor {spec.name!r} holds NaN or Inf")
         out.append((spec.name, values.reshape(spec.shape)))
     return out
 
 
+def decode_encoded(enc: Encoded) -> list[tuple[str, np.ndarray]]:
+    """Decode what ``encode`` produced (validated like anything else)."""
+    return decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.digest, len(enc.payload),
+                  fmt=enc.format, compression=enc.compression)
+
+
 def max_block_error(values: np.ndarray, codec: str, block_size: int) -> np.ndarray:
     """The per-element error bound of a lossy codec: half a quantization step of its block."""
     if codec == "fp32":
-        return np.zeros(values.size, dtype=np.float32)
-    flat = np.asarray(values, dtype=np.float32).reshape(-1)
-    scales, _ = _quantize(flat, codec, block_size)
-    return np.repeat(scales / 2, block_size)[: flat.size]
+        return np.zeros(np.size(values), dtype=np.float32)
+    x, _ = _flat(values)
+    n = x.numel()
+    scales = torch.empty(_nblocks(n, block_size), dtype=torch.float32)
+    codes = torch.empty(n if codec == "int8" else (n + 1) // 2, dtype=torch.int8 if codec == "int8" else torch.uint8)
+    qz.quantize(x, _QMAX[codec], block_size, scales, codes)
+    return np.repeat(scales.numpy() / 2, block_size)[:n]
 
 
 class ErrorFeedback:
@@ -227,19 +307,63 @@ class ErrorFeedback:
     The residual is kept per tensor name, and a call updates only the tensors it encodes:
     with P fragments each call carries one fragment's tensors, and each fragment's residual
     must survive the other fragments' uploads until its own next one.
+
+    The quantizer writes the residual as it goes (input minus its decoded value, bit for
+    bit what decoding the payload would give), into the buffer that held this round's
+    corrected input: no decode, no extra pass, no allocation once the first round is done.
+    Residuals live where the inputs do (numpy, or torch on the inputs' device).
     """
 
     def __init__(self) -> None:
-        self.residual: dict[str, np.ndarray] = {}
+        self.residual: dict[str, np.ndarray | torch.Tensor] = {}
 
-    def encode(self, arrays: list[tuple[str, np.ndarray]], codec: str, block_size: int) -> Encoded:
-        corrected = [(n, a + self.residual[n]) if n in self.residual else (n, a) for n, a in arrays]
-        enc = encode(corrected, codec, block_size)
+    def _corrected(self, name: str, arr) -> tuple[np.ndarray | torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This round's input plus the residual, in a buffer this object owns: (the buffer as
+        kept, its flat float32 tensor, and what the quantizer still has to add to it: the
+        input, when the buffer holds the residual; residual + input == input + residual, bit
+        for bit)."""
+        prev = self.residual.get(name)
+        if isinstance(arr, torch.Tensor):
+            a = arr.detach()
+            if prev is not None:
+                if isinstance(prev, torch.Tensor) and a.dtype == torch.float32 and prev.shape == a.shape and prev.device == a.device:
+                    return prev, prev.reshape(-1), a.contiguous().reshape(-1)
+                c = (a + torch.as_tensor(prev, device=a.device)).to(torch.float32).contiguous()
+            else:
+                c = a.to(torch.float32, copy=True).contiguous()
+            return c, c.reshape(-1), None
+        a = np.asarray(arr)
+        if prev is not None:
+            if isinstance(prev, np.ndarray) and a.dtype == np.float32 and prev.shape == a.shape:
+                flat_a = np.ascontiguousarray(a).reshape(-1)
+                if not flat_a.flags.writeable:
+                    flat_a = flat_a.copy()
+                return prev, torch.from_numpy(prev.reshape(-1)), torch.from_numpy(flat_a)
+            c = np.ascontiguousarray(a + np.asarray(prev), dtype=np.float32)
+        else:
+            c = np.array(a, dtype=np.float32, order="C", copy=True)
+        return c, torch.from_numpy(c.reshape(-1)), None
+
+    def encode(self, arrays: list, codec: str, block_size: int, compression: str | None = None) -> Encoded:
+        _check_codec(codec, block_size)
         if codec == "fp32":
+            corrected = [(n, a + self.residual[n]) if n in self.residual else (n, a) for n, a in arrays]
+            enc = encode(corrected, codec, block_size, compression)
             for n, _ in arrays:  # sent exactly, residual included: nothing left to carry
                 self.residual.pop(n, None)
             return enc
-        decoded = decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
-        for (n, c), (_, d) in zip(corrected, decoded):
-            self.residual[n] = np.asarray(c, dtype=np.float32) - d
+        named, kept, addends = [], [], []
+        for name, arr in arrays:
+            buf, flat, addend = self._corrected(name, arr)
+            named.append((name, flat, tuple(int(d) for d in np.shape(arr))))
+            kept.append((name, buf))
+            addends.append(addend)
+        try:
+            enc = _encode_flat(named, codec, block_size, compression, residuals=True, addends=addends)
+        except CodecError:
+            for name, _ in arrays:  # the buffers are half overwritten: start these tensors afresh
+                self.residual.pop(name, None)
+            raise
+        for name, buf in kept:
+            self.residual[name] = buf
         return enc

@@ -10,7 +10,16 @@ import numpy as np
 
 from ddiloco.common import codec
 from ddiloco.common.rpc import TRANSIENT, channel
-from ddiloco.common.wire import Refused, decode_payload, payload_info, reassemble, stream_messages
+from ddiloco.common.wire import (
+    OUTER_SERVICE,
+    Refused,
+    chunk_parser,
+    decode_payload,
+    payload_info,
+    reassemble,
+    serialize,
+    stream_frames,
+)
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 
@@ -40,6 +49,17 @@ class OuterClient:
         self.chunk_bytes = chunk_bytes
         self._channel = channel(address)
         self._stub = outer_pb2_grpc.OuterOptimizerStub(self._channel)
+        # the chunk streams with ready frames out and views in (common/wire.py)
+        self._push = self._channel.stream_unary(
+            f"/{OUTER_SERVICE}/PushDelta",
+            request_serializer=serialize,
+            response_deserializer=outer_pb2.PushDeltaResponse.FromString,
+        )
+        self._pull = self._channel.unary_stream(
+            f"/{OUTER_SERVICE}/PullGlobal",
+            request_serializer=outer_pb2.PullGlobalRequest.SerializeToString,
+            response_deserializer=chunk_parser(outer_pb2.GlobalChunk),
+        )
 
     def close(self) -> None:
         self._channel.close()
@@ -56,7 +76,10 @@ class OuterClient:
         timeout: float,
         fragment: int = 0,
         compute_seconds: float = 0.0,
+        resume: bool = False,
     ) -> outer_pb2.PushDeltaResponse:
+        """Upload one delta. ``resume`` (a retry of the same delta): first ask how much of an
+        earlier, broken attempt the server holds, and send only the rest."""
         header = outer_pb2.DeltaHeader(
             run_id=self.run_id,
             learner_id=self.learner_id,
@@ -69,18 +92,49 @@ class OuterClient:
             fragment=fragment,
             compute_seconds=compute_seconds,
         )
-        messages = stream_messages(outer_pb2.DeltaChunk, header, enc.payload, self.chunk_bytes)
-        return self._stub.PushDelta(messages, timeout=timeout)
+        offset = self.upload_offset(header, len(enc.payload), min(timeout, 10.0)) if resume else 0
+        if offset:
+            try:
+                return self.push_payload(header, enc.payload, timeout, offset)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                    raise
+                # the server let go of that part meanwhile (restart, eviction): all of it, then
+        return self.push_payload(header, enc.payload, timeout)
 
-    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
-        stream = self._stub.PullGlobal(
+    def upload_offset(self, header: outer_pb2.DeltaHeader, payload_bytes: int, timeout: float) -> int:
+        """Bytes of this upload the server holds from a broken attempt; 0 when it holds none,
+        answers anything outside the payload, or cannot say (an older server, a fault: the
+        push itself will tell)."""
+        try:
+            resp = self._stub.UploadOffset(outer_pb2.UploadOffsetRequest(header=header), timeout=timeout)
+        except grpc.RpcError:
+            return 0
+        return resp.offset if 0 < resp.offset < payload_bytes else 0
+
+    def push_payload(
+        self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0
+    ) -> outer_pb2.PushDeltaResponse:
+        """Stream ``payload`` from byte ``offset`` on under ``header`` (whose PayloadInfo
+        describes all of it)."""
+        header.offset = offset
+        rest = memoryview(payload)[offset:]
+        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
+
+    def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, bytearray]:
+        """One fragment's download as received, not decoded; raises ``Refused`` for a stream
+        that is not one."""
+        stream = self._pull(
             outer_pb2.PullGlobalRequest(
                 run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment
             ),
             timeout=timeout,
         )
+        return reassemble(stream, 1 << 34, "global parameters")
+
+    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
         try:
-            header, payload = reassemble(stream, 1 << 34, "global parameters")
+            header, payload = self.pull_payload(fragment, have_version, timeout)
             arrays = decode_payload(header.payload, payload)
         except Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc

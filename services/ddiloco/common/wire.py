@@ -2,17 +2,25 @@
 
 Reassembly enforces the size the header declares before anything is decoded, so an
 oversized or truncated stream is refused early with a precise status.
+
+Chunks without copies: every chunk of a stream after the first carries only ``data``. Its
+serialized form is one tag byte, a length and the bytes, so ``data_frame`` writes it with
+one copy of the payload slice (protobuf would copy it into a message, then again to
+serialize it), and ``chunk_parser`` reads it as a view of the bytes gRPC received (protobuf
+would copy it into the message, then again into a Python ``bytes`` on access). Any other
+message (the first, with its header; anything unusual a peer sends) goes through protobuf
+as before: the bytes on the wire are the same either way.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 
 from ddiloco.common import codec as codec_mod
 from ddiloco.common.rpc import chunks
-from ddiloco.v1 import common_pb2
+from ddiloco.v1 import common_pb2, outer_pb2
 
 CODEC_TO_PB = {
     "fp32": common_pb2.CODEC_FP32,
@@ -20,6 +28,8 @@ CODEC_TO_PB = {
     "int4": common_pb2.CODEC_INT4,
 }
 PB_TO_CODEC = {v: k for k, v in CODEC_TO_PB.items()}
+COMPRESSION_TO_PB = {"none": common_pb2.COMPRESSION_NONE, "zstd": common_pb2.COMPRESSION_ZSTD}
+PB_TO_COMPRESSION = {v: k for k, v in COMPRESSION_TO_PB.items()}
 
 
 class Refused(Exception):
@@ -32,13 +42,34 @@ class Refused(Exception):
 
 
 def payload_info(enc: codec_mod.Encoded) -> common_pb2.PayloadInfo:
-    return common_pb2.PayloadInfo(
+    info = common_pb2.PayloadInfo(
         codec=CODEC_TO_PB[enc.codec],
         block_size=enc.block_size,
         tensors=[common_pb2.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in enc.specs],
         payload_bytes=len(enc.payload),
-        sha256=enc.sha256,
+        format=enc.format,
     )
+    if enc.format == 1:
+        info.sha256 = enc.digest
+    else:
+        info.compression = COMPRESSION_TO_PB[enc.compression]
+        info.xxh3_128 = enc.digest
+    return info
+
+
+def payload_format(info: common_pb2.PayloadInfo) -> int:
+    return info.format or 1  # unset: written before formats were numbered
+
+
+def digest_matches(info: common_pb2.PayloadInfo, payload) -> bool:
+    """Whether ``payload`` has the digest ``info`` declares (format 1 without a digest: yes,
+    as that format always allowed)."""
+    fmt = payload_format(info)
+    if fmt == 1:
+        return not info.sha256 or codec_mod.digest_of(payload, 1) == info.sha256
+    if fmt == 2:
+        return codec_mod.digest_of(payload, 2) == info.xxh3_128
+    return False
 
 
 def specs_of(info: common_pb2.PayloadInfo) -> tuple[codec_mod.TensorSpec, ...]:
@@ -49,9 +80,14 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes):
     """Decode a payload described by ``info``; codec errors become DATA_LOSS/INVALID_ARGUMENT."""
     if info.codec not in PB_TO_CODEC:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown codec {info.codec}")
+    fmt = payload_format(info)
+    if fmt == 2 and info.compression not in PB_TO_COMPRESSION:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown compression {info.compression}")
     try:
         return codec_mod.decode(
-            payload, PB_TO_CODEC[info.codec], info.block_size, specs_of(info), info.sha256, info.payload_bytes
+            payload, PB_TO_CODEC[info.codec], info.block_size, specs_of(info),
+            info.sha256 if fmt == 1 else info.xxh3_128, info.payload_bytes,
+            fmt=fmt, compression=PB_TO_COMPRESSION.get(info.compression),
         )
     except codec_mod.CodecError as exc:
         msg = str(exc)
@@ -68,36 +104,175 @@ def stream_messages(message_cls, header, payload: bytes, chunk_bytes: int) -> It
         yield message_cls(data=part)
 
 
-def reassemble(messages: Iterable, max_payload_bytes: int, what: str):
-    """Collect a header-then-data stream; returns (header, payload bytes)."""
+DATA_TAG = 0x12  # field 2 (data), length-delimited, in DeltaChunk and GlobalChunk alike
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def data_frame(part) -> bytes:
+    """The serialized chunk message holding only ``part`` (non-empty) as its data."""
+    return b"".join((bytes((DATA_TAG,)), _varint(len(part)), part))
+
+
+def serialize(message) -> bytes:
+    """Serializer for streams that mix messages and ready frames."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def stream_frames(message_cls, header, payload, chunk_bytes: int) -> Iterator:
+    """As ``stream_messages``, with the data-only chunks as ready frames (see the module
+    docstring); for a stub or handler whose serializer is ``serialize``."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk size must be positive")
+    view = memoryview(payload)
+    yield message_cls(header=header, data=bytes(view[:chunk_bytes]))
+    for i in range(chunk_bytes, len(view), chunk_bytes):
+        yield data_frame(view[i : i + chunk_bytes])
+
+
+class DataChunk:
+    """A received chunk that carries only data: a view of the message bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 - the protobuf method it stands in for
+        return False
+
+
+def chunk_parser(message_cls) -> Callable[[bytes], object]:
+    """Deserializer for a chunk stream: a data-only message as a ``DataChunk`` (no copy),
+    anything else through ``message_cls.FromString``."""
+
+    def parse(raw: bytes):
+        if len(raw) > 1 and raw[0] == DATA_TAG:
+            n, shift, pos = 0, 0, 1
+            while pos < len(raw) and pos <= 10:  # a varint has at most 10 bytes
+                b = raw[pos]
+                pos += 1
+                n |= (b & 0x7F) << shift
+                shift += 7
+                if not b & 0x80:
+                    if pos + n == len(raw):
+                        return DataChunk(memoryview(raw)[pos:])
+                    break
+        return message_cls.FromString(raw)
+
+    return parse
+
+
+def reassemble(
+    messages: Iterable,
+    max_payload_bytes: int,
+    what: str,
+    resume: Callable[[object], bytearray] | None = None,
+    on_break: Callable[[object, bytearray], None] | None = None,
+):
+    """Collect a header-then-data stream; returns (header, payload as a bytearray: handing
+    it on as it is saves a copy of the whole payload).
+
+    Resumable uploads: a header whose ``offset`` is not 0 continues a broken upload; after
+    checking that the offset lies inside the declared size, ``resume(header)`` returns the
+    ``offset`` bytes held for it (or raises ``Refused``), and the stream's data follows them.
+    If the stream breaks (the peer cancels, the connection drops), ``on_break(header,
+    bytes so far)`` may keep them for such a retry. Streams without either refuse offsets."""
     header = None
     buf = bytearray()
     declared = None
-    for i, msg in enumerate(messages):
-        if i == 0:
-            if not msg.HasField("header"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the first message carries no header")
-            header = msg.header
-            declared = header.payload.payload_bytes
-            if declared <= 0:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header declares {declared} payload bytes")
-            if declared > max_payload_bytes:
+    try:
+        for i, msg in enumerate(messages):
+            if i == 0:
+                if not msg.HasField("header"):
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the first message carries no header")
+                header = msg.header
+                declared = header.payload.payload_bytes
+                if declared <= 0:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header declares {declared} payload bytes")
+                if declared > max_payload_bytes:
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}",
+                    )
+                offset = getattr(header, "offset", 0)  # uploads only
+                if offset:
+                    if resume is None:
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: offset {offset}, but this stream does not resume")
+                    if not 0 < offset < declared:
+                        raise Refused(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{what}: offset {offset} lies outside the {declared} payload bytes the header declares",
+                        )
+                    buf = resume(header)
+            elif msg.HasField("header"):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header repeated in message {i}")
+            buf += msg.data
+            if len(buf) > declared:
                 raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{what}: received more than the {declared} payload bytes the header declares",
                 )
-        elif msg.HasField("header"):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header repeated in message {i}")
-        buf += msg.data
-        if len(buf) > declared:
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{what}: received more than the {declared} payload bytes the header declares",
-            )
+    except grpc.RpcError:  # the stream broke: what arrived may spare the retry a resend
+        if on_break is not None and header is not None and buf:
+            on_break(header, buf)
+        raise
     if header is None:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty stream")
     if len(buf) != declared:
         raise Refused(
             grpc.StatusCode.DATA_LOSS, f"{what}: truncated: header declares {declared} bytes, received {len(buf)}"
         )
-    return header, bytes(buf)
+    return header, buf
+
+
+OUTER_SERVICE = "ddiloco.v1.OuterOptimizer"
+
+
+def outer_handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The OuterOptimizer's method handlers, as the generated
+    ``add_OuterOptimizerServicer_to_server`` builds them, except that the two chunk streams
+    use ``chunk_parser`` (uploads) and ``serialize`` (downloads, from ``stream_frames``)."""
+    return {
+        "PushDelta": grpc.stream_unary_rpc_method_handler(
+            servicer.PushDelta,
+            request_deserializer=chunk_parser(outer_pb2.DeltaChunk),
+            response_serializer=outer_pb2.PushDeltaResponse.SerializeToString,
+        ),
+        "PullGlobal": grpc.unary_stream_rpc_method_handler(
+            servicer.PullGlobal,
+            request_deserializer=outer_pb2.PullGlobalRequest.FromString,
+            response_serializer=serialize,
+        ),
+        "GetStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetStatus,
+            request_deserializer=outer_pb2.StatusRequest.FromString,
+            response_serializer=outer_pb2.OuterStatus.SerializeToString,
+        ),
+        "Finalize": grpc.unary_unary_rpc_method_handler(
+            servicer.Finalize,
+            request_deserializer=outer_pb2.FinalizeRequest.FromString,
+            response_serializer=outer_pb2.FinalizeResponse.SerializeToString,
+        ),
+        "UploadOffset": grpc.unary_unary_rpc_method_handler(
+            servicer.UploadOffset,
+            request_deserializer=outer_pb2.UploadOffsetRequest.FromString,
+            response_serializer=outer_pb2.UploadOffsetResponse.SerializeToString,
+        ),
+    }
+
+
+def add_outer_servicer(servicer, server: grpc.Server) -> None:
+    handlers = outer_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(OUTER_SERVICE, handlers),))
+    server.add_registered_method_handlers(OUTER_SERVICE, handlers)

@@ -69,7 +69,7 @@ BOUNDED_RETRIES = {grpc.StatusCode.PERMISSION_DENIED: 20, grpc.StatusCode.UNKNOW
 
 @dataclass
 class Window:
-    arrays: list[tuple[str, np.ndarray]]
+    arrays: list[tuple[str, np.ndarray]]  # or torch tensors on the learner's GPU (codec.encode takes both)
     base_version: int
     tokens: int
     inner_steps: int
@@ -231,6 +231,7 @@ class Uploader:
                     fragment=window.fragment,
                     compute_seconds=window.compute_seconds,
                     timeout=60 + len(enc.payload) / 1e5,  # generous for slow links: 100 kB/s floor
+                    resume=bool(failures),  # a retry sends only what a broken attempt did not deliver
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()

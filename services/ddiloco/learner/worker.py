@@ -364,7 +364,11 @@ class Learner:
     @torch.no_grad()
     def _end_window(self, fragment: int, steps: int, mean_loss: float, compute_seconds: float) -> None:
         ids = self.fragments[fragment]
-        arrays = [(self.names[i], (self.anchor[i] - self.params[i]).float().cpu().numpy()) for i in ids]
+        # on a GPU the delta stays there: the codec quantizes it in place and only the codes
+        # and scales (a quarter or an eighth of the bytes) cross to the host
+        on_gpu = self.device.type == "cuda"
+        deltas = [(self.names[i], (self.anchor[i] - self.params[i]).float()) for i in ids]
+        arrays = [(n, d if on_gpu else d.cpu().numpy()) for n, d in deltas]
         for i in ids:
             self.anchor[i].copy_(self.params[i])
         self.uploader.submit(

@@ -73,7 +73,7 @@ class DownloadViews:
                 return enc, -1
             diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
             enc = codec.encode(diff, self.codec, self.block_size)
-            sent = codec.decode(enc.payload, enc.codec, enc.block_size, enc.specs, enc.sha256)
+            sent = codec.decode_encoded(enc)
             new_copy = [b + d for b, (_, d) in zip(base, sent)]
             # keep the learner's current copy too: if this download is lost, it asks again from it
             views[fragment] = {have_version: base, version: new_copy}

@@ -9,7 +9,7 @@ Why an unreadable entry stops the restart
 Entries are written atomically (temporary file, fsync, rename), so a crash never leaves a
 torn entry under its final name: the torn write is a hidden temporary, cleared at start. An
 entry that is there but unreadable (bad length, header that does not parse, payload whose
-size or SHA-256 contradicts its header, name that contradicts its header) is therefore
+size or digest contradicts its header, name that contradicts its header) is therefore
 corruption of an *acknowledged* delta. Skipping it would drop work a learner was told is
 safe, so ``load`` raises ``JournalCorrupt`` naming the file, and the outer optimizer refuses
 to start (exit non-zero). The one exception: an entry the restored checkpoint already covers
@@ -23,13 +23,13 @@ behind: the caller refuses the delta with a retryable status and changes no stat
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 import re
 import struct
 from typing import Callable
 
 from ddiloco.common.durable import StorageError, write_bytes
+from ddiloco.common.wire import digest_matches, payload_format
 from ddiloco.v1 import outer_pb2
 
 _NAME = re.compile(r"^(\d+)-(\d+)\.delta$")
@@ -83,8 +83,8 @@ def read_entry(path: pathlib.Path) -> tuple[outer_pb2.DeltaHeader, bytes]:
     info = header.payload
     if len(payload) != info.payload_bytes:
         raise JournalCorrupt(path, f"payload has {len(payload)} bytes, its header declares {info.payload_bytes}")
-    if info.sha256 and hashlib.sha256(payload).hexdigest() != info.sha256:
-        raise JournalCorrupt(path, "payload SHA-256 does not match its header")
+    if not digest_matches(info, payload):
+        raise JournalCorrupt(path, f"payload digest does not match its header (payload format {payload_format(info)})")
     if parse_name(path) != (header.learner_id, header.seq):
         raise JournalCorrupt(path, f"header says learner {header.learner_id} sequence {header.seq}")
     return header, payload

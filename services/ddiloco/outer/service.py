@@ -18,8 +18,9 @@ from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.rpc import Server, call_with_retry, channel
-from ddiloco.common.wire import Refused, payload_info, reassemble, stream_messages
+from ddiloco.common.wire import Refused, add_outer_servicer, payload_info, reassemble, stream_frames
 from ddiloco.outer.downloads import DownloadViews
+from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.timing import SyncTiming
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
@@ -84,6 +85,10 @@ class KnownLearners:
                 return planned
             return self._live
 
+    def is_known(self, learner_id: int) -> bool:
+        with self._lock:
+            return learner_id in self._ids
+
     def check(self, learner_id: int) -> None:
         with self._lock:
             if learner_id in self._ids:
@@ -136,7 +141,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         t0 = time.monotonic()
         try:
-            header, payload = reassemble(request_iterator, svc.config.outer.max_delta_bytes, "delta")
+            header, payload = reassemble(
+                request_iterator, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
+            )
             if header.run_id == svc.config.run_id:
                 svc.known.check(header.learner_id)
             version, discount = svc.state.accept(header, payload)
@@ -181,7 +188,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         )
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
-        yield from stream_messages(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+        yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
         # the download is part of what a grace window must leave time for (outer/timing.py)
         svc.timing.observe_pull(time.monotonic() - t0)
 
@@ -205,6 +212,17 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             return self.svc.finalize()
         except Refused as exc:
             context.abort(exc.code, exc.message)
+
+    def UploadOffset(self, request, context):
+        svc = self.svc
+        header = request.header
+        if header.run_id != svc.config.run_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not run {svc.config.run_id!r}")
+        try:
+            svc.known.check(header.learner_id)
+        except Refused as exc:
+            context.abort(exc.code, exc.message)
+        return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
 
 
 class OuterService:
@@ -250,6 +268,7 @@ class OuterService:
         self.downloads = DownloadViews(
             self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners)
         )
+        self.partials = PartialUploads(self.config.learners + max(VIEW_MARGIN, self.config.learners))
         self.evaluator = Evaluator(self.config, self.state, self.metrics)
         # every learner id (up to 2M) may hold a thread in a status long poll while another
         # of its threads uploads or downloads
@@ -258,7 +277,7 @@ class OuterService:
             [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name],
             max_workers=16 + 4 * self.config.learners,
         )
-        outer_pb2_grpc.add_OuterOptimizerServicer_to_server(OuterServicer(self), self.server.grpc_server)
+        add_outer_servicer(OuterServicer(self), self.server.grpc_server)  # chunk streams without copies: common/wire.py
         self.server.start()
         host = self.options.bind.rsplit(":", 1)[0]
         self.address = self.options.advertise or f"{host}:{self.server.port}"
@@ -413,6 +432,26 @@ class OuterService:
                 self.stop_event.set()
 
     # ------------------------------------------------------------------ helpers
+    def keep_broken(self, header: outer_pb2.DeltaHeader, data: bytearray) -> None:
+        """A PushDelta stream broke: keep what arrived for the learner's resumed retry, if
+        the upload is this run's and its learner registered (no coordinator call: a
+        learner unknown so far simply sends again from the start)."""
+        if header.run_id == self.config.run_id and self.known.is_known(header.learner_id):
+            self.partials.keep(header, data)
+
+    def resume_upload(self, header: outer_pb2.DeltaHeader) -> bytearray:
+        """The bytes held for a resumed upload (``header.offset`` of them), or Refused."""
+        if header.run_id == self.config.run_id:
+            self.known.check(header.learner_id)
+            data = self.partials.take(header)
+            if data is not None:
+                return data
+        raise Refused(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"delta: offset {header.offset}, but no such part of this upload is held (held: "
+            f"{self.partials.held(header)} bytes); send it from offset 0",
+        )
+
     def status(self) -> outer_pb2.OuterStatus:
         st = self.state.status()
         st.ready = True

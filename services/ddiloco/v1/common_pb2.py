@@ -24,19 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64iloco/v1/common.proto\x12\nddiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x93\x01\n\x0bPayloadInfo\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.ddiloco.v1.Codec\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.ddiloco.v1.TensorSpec\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"\xf9\x01\n\x0cLearnerStats\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x13\n\x0binner_steps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65ltas_sent\x18\x03 \x01(\x03\x12\x14\n\x0c\x64\x65ltas_acked\x18\x04 \x01(\x03\x12\x16\n\x0e\x62ytes_uploaded\x18\x05 \x01(\x03\x12\x18\n\x10\x62ytes_downloaded\x18\x06 \x01(\x03\x12\x16\n\x0eglobal_version\x18\x07 \x01(\x03\x12\x11\n\tlast_loss\x18\x08 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\x12\x14\n\x0cwall_seconds\x18\n \x01(\x01\x12\r\n\x05pulls\x18\x0b \x01(\x03*N\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_INT8\x10\x02\x12\x0e\n\nCODEC_INT4\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64iloco/v1/common.proto\x12\nddiloco.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xe3\x01\n\x0bPayloadInfo\x12 \n\x05\x63odec\x18\x01 \x01(\x0e\x32\x11.ddiloco.v1.Codec\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.ddiloco.v1.TensorSpec\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\r\x12,\n\x0b\x63ompression\x18\x07 \x01(\x0e\x32\x17.ddiloco.v1.Compression\x12\x10\n\x08xxh3_128\x18\x08 \x01(\t\"\xf9\x01\n\x0cLearnerStats\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x13\n\x0binner_steps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65ltas_sent\x18\x03 \x01(\x03\x12\x14\n\x0c\x64\x65ltas_acked\x18\x04 \x01(\x03\x12\x16\n\x0e\x62ytes_uploaded\x18\x05 \x01(\x03\x12\x18\n\x10\x62ytes_downloaded\x18\x06 \x01(\x03\x12\x16\n\x0eglobal_version\x18\x07 \x01(\x03\x12\x11\n\tlast_loss\x18\x08 \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\t \x01(\x01\x12\x14\n\x0cwall_seconds\x18\n \x01(\x01\x12\r\n\x05pulls\x18\x0b \x01(\x03*N\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_INT8\x10\x02\x12\x0e\n\nCODEC_INT4\x10\x03*V\n\x0b\x43ompression\x12\x1b\n\x17\x43OMPRESSION_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x01\x12\x14\n\x10\x43OMPRESSION_ZSTD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddiloco.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=499
-  _globals['_CODEC']._serialized_end=577
+  _globals['_CODEC']._serialized_start=579
+  _globals['_CODEC']._serialized_end=657
+  _globals['_COMPRESSION']._serialized_start=659
+  _globals['_COMPRESSION']._serialized_end=745
   _globals['_TENSORSPEC']._serialized_start=39
   _globals['_TENSORSPEC']._serialized_end=95
   _globals['_PAYLOADINFO']._serialized_start=98
-  _globals['_PAYLOADINFO']._serialized_end=245
-  _globals['_LEARNERSTATS']._serialized_start=248
-  _globals['_LEARNERSTATS']._serialized_end=497
+  _globals['_PAYLOADINFO']._serialized_end=325
+  _globals['_LEARNERSTATS']._serialized_start=328
+  _globals['_LEARNERSTATS']._serialized_end=577
 # @@protoc_insertion_point(module_scope)

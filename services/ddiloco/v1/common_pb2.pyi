@@ -13,10 +13,19 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP32: _ClassVar[Codec]
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
+
+class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPRESSION_UNSPECIFIED: _ClassVar[Compression]
+    COMPRESSION_NONE: _ClassVar[Compression]
+    COMPRESSION_ZSTD: _ClassVar[Compression]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
+COMPRESSION_UNSPECIFIED: Compression
+COMPRESSION_NONE: Compression
+COMPRESSION_ZSTD: Compression
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -29,18 +38,24 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PayloadInfo(_message.Message):
-    __slots__ = ("codec", "block_size", "tensors", "payload_bytes", "sha256")
+    __slots__ = ("codec", "block_size", "tensors", "payload_bytes", "sha256", "format", "compression", "xxh3_128")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     block_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     payload_bytes: int
     sha256: str
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    format: int
+    compression: Compression
+    xxh3_128: str
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., block_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., format: _Optional[int] = ..., compression: _Optional[_Union[Compression, str]] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class LearnerStats(_message.Message):
     __slots__ = ("tokens", "inner_steps", "deltas_sent", "deltas_acked", "bytes_uploaded", "bytes_downloaded", "global_version", "last_loss", "compute_seconds", "wall_seconds", "pulls")

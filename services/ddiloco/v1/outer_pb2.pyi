@@ -16,7 +16,7 @@ PUSH_OUTCOME_UNSPECIFIED: PushOutcome
 PUSH_OUTCOME_ACCEPTED: PushOutcome
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds")
+    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DeltaHeader(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     base_version: int
@@ -37,7 +38,8 @@ class DeltaHeader(_message.Message):
     loss: float
     fragment: int
     compute_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    offset: int
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -56,6 +58,18 @@ class PushDeltaResponse(_message.Message):
     global_version: int
     weight: float
     def __init__(self, outcome: _Optional[_Union[PushOutcome, str]] = ..., global_version: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class UploadOffsetRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: DeltaHeader
+    def __init__(self, header: _Optional[_Union[DeltaHeader, _Mapping]] = ...) -> None: ...
+
+class UploadOffsetResponse(_message.Message):
+    __slots__ = ("offset",)
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    def __init__(self, offset: _Optional[int] = ...) -> None: ...
 
 class PullGlobalRequest(_message.Message):
     __slots__ = ("run_id", "learner_id", "have_version", "fragment")

@@ -55,6 +55,11 @@ class OuterOptimizerStub:
                 request_serializer=ddiloco_dot_v1_dot_outer__pb2.FinalizeRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_v1_dot_outer__pb2.FinalizeResponse.FromString,
                 _registered_method=True)
+        self.UploadOffset = channel.unary_unary(
+                '/ddiloco.v1.OuterOptimizer/UploadOffset',
+                request_serializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.FromString,
+                _registered_method=True)
 
 
 class OuterOptimizerServicer:
@@ -89,6 +94,14 @@ class OuterOptimizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadOffset(self, request, context):
+        """How many bytes of a broken upload this server holds, so that the learner resumes its
+        PushDelta there (DeltaHeader.offset) instead of sending the whole payload again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OuterOptimizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_OuterOptimizerServicer_to_server(servicer, server):
                     servicer.Finalize,
                     request_deserializer=ddiloco_dot_v1_dot_outer__pb2.FinalizeRequest.FromString,
                     response_serializer=ddiloco_dot_v1_dot_outer__pb2.FinalizeResponse.SerializeToString,
+            ),
+            'UploadOffset': grpc.unary_unary_rpc_method_handler(
+                    servicer.UploadOffset,
+                    request_deserializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class OuterOptimizer:
             '/ddiloco.v1.OuterOptimizer/Finalize',
             ddiloco_dot_v1_dot_outer__pb2.FinalizeRequest.SerializeToString,
             ddiloco_dot_v1_dot_outer__pb2.FinalizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadOffset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddiloco.v1.OuterOptimizer/UploadOffset',
+            ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.SerializeToString,
+            ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,166 @@
+"""The codec's arithmetic: per-block absmax quantization and its inverse.
+
+The rule is the first codec's (numpy, PR history of ``codec.py``), step for step, so that the
+same input gives bit-identical scales, codes and decoded values:
+
+* ``absmax = max |x|`` over the block; ``scale = absmax / qmax`` (float32, correctly rounded);
+* ``q = clamp(round_half_to_even(x / s), -qmax, qmax)`` with ``s = scale`` where ``scale > 0``,
+  else 1 (a block of zeros, or one so small that its scale underflows to 0);
+* decoded value ``= float32(q) * scale``.
+
+Every step is an exactly rounded IEEE operation (division, not multiplication by a
+reciprocal: a divisor that is a plain Python number lets some backends do the latter, so
+divisors here are always tensors), hence the same bits on any CPU or GPU.
+
+Why torch, in chunks: the first codec ran every step over the whole tensor, each step
+allocating and writing a temporary as large as the input, so quantization cost several
+passes through main memory. Here the input is taken ``CHUNK_ELEMS`` values at a time, the
+scratch buffers fit in a core's L2 cache, and only the input, the codes and (with error
+feedback) the residual travel through memory once each. torch's elementwise kernels are
+vectorized; they run on the GPU unchanged when the input lives there (one chunk: the whole
+tensor). Reads from payload bytes go through numpy, which takes read-only buffers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# 256 Ki values: 1 MiB of float32 scratch plus the chunk of input, within a 2 MiB L2.
+CHUNK_ELEMS = 1 << 18
+# |q| <= 128 for every code either codec can carry (int8: -128..127, int4: -8..7), so scales
+# whose magnitude is at most this bound give finite values without looking at each one.
+_FINITE_SCALE = float(np.finfo(np.float32).max) / 128.0
+
+
+def _chunk_rows(block: int, n: int, device: torch.device) -> int:
+    if device.type != "cpu":
+        return max(1, n // block)
+    return max(1, CHUNK_ELEMS // block)
+
+
+def _step(start: int, n: int, block: int, rows: int, full: int) -> tuple[int, int, int]:
+    """The next chunk from value ``start``: (blocks, block width, values). Whole blocks in
+    chunks of ``rows``, then the short last block alone."""
+    done = start // block
+    if done < full:
+        k = min(rows, full - done)
+        return k, block, k * block
+    return 1, n - start, n - start
+
+
+def quantize(
+    x: torch.Tensor,
+    qmax: int,
+    block: int,
+    scales: torch.Tensor,
+    codes: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
+) -> bool:
+    """Quantize the flat float32 tensor ``x`` into ``scales`` (float32, one per block) and
+    ``codes`` (int8 per value for qmax 127; for qmax 7, uint8 holding two values each, low
+    nibble first, offset by 8, an odd tail padded with the code of 0). With ``residual``
+    (which may be ``x`` itself), it receives ``x`` minus its decoded value: what error
+    feedback carries to the next round. With ``addend``, ``x`` is first replaced by
+    ``x + addend``, chunk by chunk (error feedback's residual plus this round's input: one
+    pass less through memory than adding first). Returns False if ``x`` holds a NaN or an
+    Inf (the outputs are then meaningless)."""
+    n = x.numel()
+    if n == 0:
+        return True
+    device = x.device
+    packed = qmax == 7
+    rows = _chunk_rows(block, n, device)
+    span = min(rows * block, n)
+    tmp = torch.empty(span, dtype=torch.float32, device=device)
+    stage = torch.empty(span + 1, dtype=torch.int8, device=device) if packed else None
+    pair = torch.empty((span + 1) // 2, dtype=torch.int16, device=device) if packed else None
+    qmax_t = torch.full((1,), float(qmax), dtype=torch.float32, device=device)
+    one = torch.ones((), dtype=torch.float32, device=device)
+    full = n // block
+    start = 0
+    while start < n:
+        k, width, length = _step(start, n, block, rows, full)
+        xb = x[start : start + length].view(k, width)
+        if addend is not None:
+            xb.add_(addend[start : start + length].view(k, width))
+        sc = scales[start // block : start // block + k]
+        t = tmp[:length].view(k, width)
+        # absmax (a NaN or an Inf carries into the scale); abs then amax along rows is several
+        # times faster than aminmax along rows of 64 in torch's CPU kernels
+        torch.amax(torch.abs(xb, out=t), dim=1, out=sc)
+        torch.div(sc, qmax_t, out=sc)
+        safe = torch.where(sc > 0, sc, one)
+        torch.div(xb, safe.unsqueeze(1), out=t)
+        t.round_()  # half to even, as numpy's rint
+        t.clamp_(-qmax, qmax)
+        if packed:
+            stage[:length].view(k, width).copy_(t)
+        else:
+            codes[start : start + length].view(k, width).copy_(t)
+        if residual is not None:
+            t.mul_(sc.unsqueeze(1))  # the decoded value, bit for bit
+            torch.sub(xb, t, out=residual[start : start + length].view(k, width))
+        if packed:
+            _pack(stage, pair, length, codes, start // 2)
+        start += length
+    return bool(torch.isfinite(scales).all())
+
+
+def _pack(stage: torch.Tensor, pair: torch.Tensor, length: int, codes: torch.Tensor, at: int) -> None:
+    """Two signed 4-bit codes per byte: (q0 + 8) | (q1 + 8) << 4, read as little-endian pairs."""
+    if length % 2:
+        stage[length] = 0  # the padding value 0 (code 8), as the first codec wrote it
+        length += 1
+    stage[:length].add_(8)
+    v = stage[:length].view(torch.int16)  # byte 2i is the low half: v = u0 | u1 << 8
+    p = pair[: length // 2]
+    torch.bitwise_right_shift(v, 4, out=p)  # u1 << 4 (u0 < 16 shifts out)
+    p.bitwise_or_(v).bitwise_and_(0xFF)
+    codes[at : at + length // 2].copy_(p)
+
+
+def dequantize(codes: np.ndarray, qmax: int, block: int, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """The inverse: ``out`` (flat float32, n values) from ``codes`` (a read-only numpy view:
+    int8, or packed uint8 for qmax 7) and ``scales``. Work is O(n) whatever ``block`` is:
+    the block size comes from the sender's header."""
+    n = out.numel()
+    if n == 0:
+        return
+    packed = qmax == 7
+    rows = _chunk_rows(block, n, out.device)
+    span = min(rows * block, n)
+    tmp = torch.empty(span + 1, dtype=torch.float32)
+    tmp_np = tmp.numpy()
+    pair = torch.empty((span + 2) // 2, dtype=torch.int16) if packed else None
+    pair_np = pair.numpy() if packed else None
+    hi_nib = torch.empty_like(pair) if packed else None
+    full = n // block
+    start = 0
+    while start < n:
+        k, width, length = _step(start, n, block, rows, full)
+        if packed:
+            first, last = start // 2, (start + length + 1) // 2
+            m = last - first
+            np.copyto(pair_np[:m], codes[first:last], casting="unsafe")
+            p = pair[:m]
+            # byte b -> int16 (b & 15) | (b >> 4) << 8: read as bytes, the two codes in order
+            torch.bitwise_and(p, 0xF0, out=hi_nib[:m]).bitwise_left_shift_(4)
+            p.bitwise_and_(0x0F).bitwise_or_(hi_nib[:m])
+            codes8 = p.view(torch.int8)
+            codes8.sub_(8)  # per byte, 0..15 -> -8..7: no borrow across bytes
+            tmp[:length].copy_(codes8[:length])
+        else:
+            np.copyto(tmp_np[:length], codes[start : start + length], casting="unsafe")
+        sc = scales[start // block : start // block + k]
+        torch.mul(tmp[:length].view(k, width), sc.unsqueeze(1), out=out[start : start + length].view(k, width))
+        start += length
+
+
+def scales_are_safe(scales: torch.Tensor) -> bool:
+    """Whether every value ``q * scale`` is finite for any code: the scales are finite and
+    small enough. Otherwise the decoded values themselves must be checked."""
+    if scales.numel() == 0:
+        return True
+    return bool(torch.isfinite(scales).all()) and float(scales.abs().max()) <= _FINITE_SCALE

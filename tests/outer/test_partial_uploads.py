@@ -1,0 +1,86 @@
+"""The store of broken uploads and reassembly's resumption, without a server: what is held
+is exactly what arrived, for exactly that header, within its bounds."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from ddiloco.common.wire import Refused, chunk_parser, reassemble, serialize, stream_frames
+from ddiloco.outer.partial import PartialUploads
+from ddiloco.v1 import common_pb2, outer_pb2
+
+PAYLOAD = bytes(range(256)) * 40  # 10240 bytes
+
+
+def _header(learner=1, seq=1, offset=0):
+    return outer_pb2.DeltaHeader(
+        run_id="r", learner_id=learner, seq=seq, offset=offset, payload=common_pb2.PayloadInfo(payload_bytes=len(PAYLOAD))
+    )
+
+
+def _messages(header, payload, chunk=1000, break_after=None):
+    parse = chunk_parser(outer_pb2.DeltaChunk)
+    for i, frame in enumerate(stream_frames(outer_pb2.DeltaChunk, header, payload, chunk)):
+        if i == break_after:
+            raise grpc.RpcError()  # what a server's request iterator raises when the peer cancels
+        yield parse(serialize(frame))
+
+
+def test_a_broken_stream_is_kept_and_a_resumed_one_joins_it():
+    store = PartialUploads(4)
+    with pytest.raises(grpc.RpcError):
+        reassemble(_messages(_header(), PAYLOAD, break_after=3), 1 << 20, "delta", on_break=store.keep)
+    assert store.held(_header()) == 3000
+    assert store.held(_header(offset=3000)) == 3000  # the offset is not part of the key
+    assert store.held(_header(seq=2)) == 0 and store.held(_header(learner=2)) == 0
+    resumed = _header(offset=3000)
+    header, payload = reassemble(_messages(resumed, PAYLOAD[3000:]), 1 << 20, "delta", resume=lambda h: store.take(h))
+    assert bytes(payload) == PAYLOAD and header.offset == 3000
+    assert store.held(_header()) == 0
+
+
+def test_a_resumed_stream_that_breaks_again_keeps_all_it_has():
+    store = PartialUploads(4)
+    with pytest.raises(grpc.RpcError):
+        reassemble(_messages(_header(), PAYLOAD, break_after=2), 1 << 20, "delta", on_break=store.keep)
+    with pytest.raises(grpc.RpcError):
+        reassemble(_messages(_header(offset=2000), PAYLOAD[2000:], break_after=4), 1 << 20, "delta",
+                   resume=store.take, on_break=store.keep)
+    assert store.held(_header()) == 6000
+
+
+def test_offsets_outside_the_payload_or_without_resumption_are_refused():
+    for offset in (-5, len(PAYLOAD), len(PAYLOAD) + 1):
+        with pytest.raises(Refused) as err:
+            reassemble(_messages(_header(offset=offset), b"x"), 1 << 20, "delta", resume=lambda h: bytearray())
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in err.value.message
+    with pytest.raises(Refused) as err:
+        reassemble(_messages(_header(offset=10), PAYLOAD[10:]), 1 << 20, "delta")
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "does not resume" in err.value.message
+
+
+def test_take_gives_only_exactly_what_the_offset_says():
+    store = PartialUploads(4)
+    store.keep(_header(), bytearray(b"a" * 100))
+    assert store.take(_header(offset=99)) is None and store.take(_header(offset=101)) is None
+    assert store.held(_header()) == 100  # a wrong offset leaves it
+    assert store.take(_header(offset=100)) == bytearray(b"a" * 100)
+    assert store.take(_header(offset=100)) is None
+
+
+def test_one_upload_per_learner_and_at_most_max_learners(monkeypatch):
+    store = PartialUploads(2, ttl_s=60)
+    store.keep(_header(learner=1, seq=1), bytearray(10))
+    store.keep(_header(learner=1, seq=2), bytearray(20))  # a newer upload replaces it
+    assert store.held(_header(learner=1, seq=1)) == 0 and store.held(_header(learner=1, seq=2)) == 20
+    store.keep(_header(learner=2), bytearray(5))
+    store.keep(_header(learner=3), bytearray(5))  # the least recent learner goes
+    assert len(store) == 2 and store.held(_header(learner=1, seq=2)) == 0
+    store.keep(_header(learner=4), bytearray())  # nothing arrived: nothing kept
+    assert len(store) == 2
+    import ddiloco.outer.partial as partial
+
+    now = partial.time.monotonic()
+    monkeypatch.setattr(partial.time, "monotonic", lambda: now + 61)
+    assert store.held(_header(learner=2)) == 0  # expired
