@@ -75,7 +75,7 @@ def test_compose_config_resolves(engine):
     # interpolation, profiles, depends_on targets. (The engine fixture installs the plugin.)
     for profile in ("lan", "wan", "wan-slow", "wan-mixed"):
         out = run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--services").stdout
-        assert set(out.split()) == {"coordinator", "outer", learner_service(profile)}
+        assert set(out.split()) == {"certs", "coordinator", "outer", learner_service(profile)}
     # no --profile: .env selects lan
     out = run("docker", "compose", "-f", str(COMPOSE_FILE), "config", "--services", env={"COMPOSE_PROFILES": None}).stdout
     assert "learner" in out.split()

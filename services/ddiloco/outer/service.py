@@ -44,6 +44,10 @@ VIEW_MARGIN = 8
 # The run states in which the coordinator may ask for the final merge and evaluation.
 FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
 
+# An upload stream may cut its payload into chunks this small (or the run's chunk size, if
+# smaller) but no smaller: the bound on its number of messages (see bounded_stream).
+MIN_CHUNK_BYTES = 16 << 10
+
 # who may call what (ddiloco.common.auth): only learners move or read the model, each as
 # itself; only the coordinator ends the run; anyone of the run may read the status
 POLICY: auth.Policy = {
@@ -173,8 +177,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
     def _admit_push(self, request_iterator, context):
         """The delta stream once its sender may push it: the header (first message) names the
         learner the caller's certificate names, within its rate, and the stream holds no
-        more messages than its declared payload needs in the run's chunks. Checked before
-        the payload is read, so a refused push costs one message."""
+        more messages than its declared payload needs in chunks of ``MIN_CHUNK_BYTES``. Checked before
+        the payload is read, so a refused push costs one message. Clients may chunk finer
+        than the run does, down to ``MIN_CHUNK_BYTES``."""
         self._authorize(context, "PushDelta")  # role first: a non-learner is refused whatever it sends
         first = next(request_iterator, None)
         if first is None:
@@ -182,7 +187,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         if first.HasField("header"):
             self._authorize(context, "PushDelta", first.header.learner_id)
             self._limit(context, "PushDelta", first.header.learner_id)
-            chunk = self.svc.config.learner.chunk_bytes
+            chunk = min(self.svc.config.learner.chunk_bytes, MIN_CHUNK_BYTES)
             most = -(-max(first.header.payload.payload_bytes, 0) // chunk) + 1
             return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
         return itertools.chain([first], request_iterator)  # reassemble refuses a headless stream
