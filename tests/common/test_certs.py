@@ -66,6 +66,13 @@ def test_issue_refuses_what_cannot_name_an_identity(tmp_path, name, role, learne
         issue(tmp_path, name, role, learner_id)
 
 
+def test_an_empty_deny_list_is_never_an_empty_file(tmp_path):
+    """Swarm refuses a secret of 0 bytes; the list itself is empty."""
+    setup_run(tmp_path, 1)
+    assert (tmp_path / "revoked.txt").stat().st_size > 0
+    assert read_deny_list(tmp_path / "revoked.txt") == frozenset()
+
+
 def test_init_refuses_to_replace_a_ca(tmp_path):
     init_ca(tmp_path)
     with pytest.raises(CertError, match="already holds a CA"):
@@ -93,7 +100,7 @@ def test_revoke_lists_the_serial_once(tmp_path):
     serial = revoke(tmp_path, name="learner-0")
     assert revoke(tmp_path, serial=serial) == serial
     assert read_deny_list(tmp_path / "revoked.txt") == {serial}
-    assert (tmp_path / "revoked.txt").read_text().count("\n") == 1
+    assert (tmp_path / "revoked.txt").read_text().count(f"{serial:x}") == 1
 
 
 def test_a_malformed_deny_list_is_an_error_not_skipped(tmp_path):

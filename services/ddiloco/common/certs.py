@@ -162,8 +162,14 @@ def init_ca(folder: pathlib.Path, name: str = "ddiloco run CA", days: int = CA_D
     )
     _write_private(folder / "ca.key", _key_pem(key))
     _write_public(folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "revoked.txt").touch(exist_ok=True)
+    _deny_list_header(folder / "revoked.txt")
     return folder / "ca.crt"
+
+
+def _deny_list_header(path: pathlib.Path) -> None:
+    """An empty deny list starts with a comment: never 0 bytes (a Swarm secret cannot be)."""
+    if not path.exists() or path.stat().st_size == 0:
+        path.write_text("# revoked certificate serial numbers (hex), one per line: `ddiloco certs revoke`\n")
 
 
 def learner_id_from_name(name: str) -> int | None:
@@ -278,6 +284,7 @@ def setup_run(folder: pathlib.Path, learners: int, hosts: tuple[str, ...] = ()) 
     issued now."""
     if not (folder / "ca.crt").exists():
         init_ca(folder)
+    _deny_list_header(folder / "revoked.txt")
     wanted = [("coordinator", "coordinator"), ("outer", "outer"), ("operator", "operator")]
     wanted += [(f"learner-{i}", "learner") for i in range(2 * learners)]
     issued = []
