@@ -162,14 +162,14 @@ def run_with_targeted(options, schedule: Schedule, targeted: list[TargetedFault]
     return run_with_chaos(options, schedule, alongside=inject)
 
 
-def _outer_pending(address: str) -> int | None:
+def _outer_pending(address: str, security=None) -> int | None:
     from ddiloco.common.rpc import channel
     from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
     if not address:
         return None
     try:
-        with channel(address) as ch:
+        with channel(address, security, server_role="outer") as ch:
             return int(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=1).pending_deltas)
     except Exception:  # noqa: BLE001 - the outer may be frozen or restarting: no reading
         return None
@@ -267,7 +267,7 @@ def _targeted_loop(controller, backend, cluster, options, faults: list[TargetedF
                     controller.recover(fid)  # never left frozen
                 deadline, best = time.monotonic() + 10.0, -1
                 while time.monotonic() < deadline and not stop.is_set():
-                    pending = _outer_pending(address)
+                    pending = _outer_pending(address, cluster.security)
                     if pending is not None:
                         best = max(best, pending)
                         if pending >= options.learners:

@@ -9,6 +9,11 @@
 # and then drops to the unprivileged ddiloco user. Shaping that fails stops the container:
 # a run that was meant to be shaped must not silently train on an unshaped link.
 #
+# Mutual TLS: a service reads its identity folder from DDILOCO_TLS_DIR. A replicated learner
+# (one service, many replicas, one secret for all) gets DDILOCO_TLS_BUNDLE, the run's
+# learners.json (`ddiloco certs setup`), and its datacenter index picks its own certificate,
+# learner-<index>, written to DDILOCO_TLS_DIR before anything dials.
+#
 # Swarm and Kubernetes have no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until
 # each answers the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) or
 # JOB_COMPLETION_INDEX gives a replicated learner its datacenter index, and with
@@ -20,7 +25,7 @@ log() { echo "[entrypoint] $*" >&2; }
 
 case "${1:-}" in
     "" | -h | --help) exec ddiloco --help ;;
-    coordinator | outer | learner | health | run | wan | simulate | chaos | netns) role=$1 ;;
+    coordinator | outer | learner | health | run | wan | simulate | chaos | netns | certs) role=$1 ;;
     *) exec "$@" ;; # a plain command: a shell, or `cat` of a report
 esac
 for arg in "$@"; do
@@ -44,6 +49,23 @@ if [ "$role" = learner ] && [ -z "${DDILOCO_ADVERTISE:-}" ]; then
     bind=${DDILOCO_BIND:-0.0.0.0:50060}
     addr=$(hostname -i 2> /dev/null | awk '{print $1}')
     if [ -n "$addr" ]; then export DDILOCO_ADVERTISE="$addr:${bind##*:}"; fi
+fi
+
+if [ "$role" = learner ] && [ -n "${DDILOCO_TLS_BUNDLE:-}" ]; then
+    index=${DDILOCO_DATACENTER#dc}
+    case "$index" in
+        "" | *[!0-9]*)
+            log "cannot tell which learner certificate to take (DDILOCO_DATACENTER=${DDILOCO_DATACENTER:-})"
+            exit 1
+            ;;
+    esac
+    if [ -z "${DDILOCO_TLS_DIR:-}" ]; then
+        log "DDILOCO_TLS_BUNDLE needs DDILOCO_TLS_DIR (where this learner's identity is written)"
+        exit 1
+    fi
+    ddiloco certs unbundle "$DDILOCO_TLS_BUNDLE" --name "learner-$index" --into "$DDILOCO_TLS_DIR" > /dev/null
+    if [ "$(id -u)" = 0 ] && id ddiloco > /dev/null 2>&1; then chown -R ddiloco:ddiloco "$DDILOCO_TLS_DIR"; fi
+    log "mutual TLS as learner-$index"
 fi
 
 wait_deadline=$(($(date +%s) + ${DDILOCO_WAIT_TIMEOUT:-300}))

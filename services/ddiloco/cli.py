@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "outer": ("ddiloco.outer.cli", "serve the outer optimizer (global parameters, merges, checkpoints)"),
     "learner": ("ddiloco.learner.cli", "run one learner (inner AdamW loop, uploads pseudo-gradients)"),
     "health": ("ddiloco.common.health", "exit 0 only if HOST:PORT answers grpc.health.v1 SERVING"),
+    "certs": ("ddiloco.common.certs_cli", "a run's CA and its services' certificates (mutual TLS), revocation"),
     "dp": ("ddiloco.baselines.cli", "baseline: synchronous data-parallel training (torch.distributed, gloo)"),
     "simulate": ("ddiloco.simulate.cli", "simulate training goodput under failures at datacenter scale"),
     "wan": ("ddiloco.wan.cli", "apply or show a WAN bandwidth profile with tc"),

@@ -194,7 +194,8 @@ def system_factory(tmp_path):
             cluster.spawn(
                 "outer",
                 ["outer", "--bind", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{throttle.port}",
-                 "--coordinator", cluster.coordinator_address, "--run-dir", str(out), "--exit-when-finished"],
+                 "--coordinator", cluster.coordinator_address, "--run-dir", str(out), "--exit-when-finished",
+                 *cluster.security_flags("outer", "outer")],
             )
         else:
             cluster.start_outer()

@@ -112,7 +112,7 @@ def test_the_cli_serves_on_the_fixed_port_it_is_given(tmp_path):
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddiloco", "coordinator", "--bind", f"127.0.0.1:{port}", "--learners", "1",
-         "--model", "tiny", "--run-dir", str(tmp_path)],
+         "--model", "tiny", "--run-dir", str(tmp_path), "--insecure"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -122,3 +122,16 @@ def test_the_cli_serves_on_the_fixed_port_it_is_given(tmp_path):
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def test_the_cli_refuses_to_serve_without_tls_unless_told_insecure(tmp_path):
+    """Secure by default: neither --tls-dir nor --insecure is a one-line error, not plaintext."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "coordinator", "--bind", "127.0.0.1:0", "--model", "tiny"],
+        capture_output=True, text=True, timeout=60, env={k: v for k, v in __import__("os").environ.items() if k != "DDILOCO_TLS_DIR"},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("ddiloco coordinator: error: no --tls-dir")

@@ -17,7 +17,7 @@ from ddiloco.v1 import common_pb2, coordinator_pb2
 # a learner built from other model code: a 300-symbol vocabulary instead of 256 bytes
 OTHER_MODEL_LEARNER = (
     "import sys; import ddiloco.common.model as m; m.VOCAB = 300; from ddiloco.cli import main; "
-    "sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu']))"
+    "sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu', '--insecure']))"
 )
 
 

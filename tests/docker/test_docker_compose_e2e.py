@@ -83,6 +83,11 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
         assert passed, f"{cid} never passed its healthcheck: {health}"
         assert passed[-1]["Output"].strip().endswith("SERVING"), passed[-1]["Output"]
 
+    # mutual TLS: the same healthcheck without the container's certificate gets no answer
+    plain = compose("exec", "-T", "-e", "DDILOCO_TLS_DIR=", "coordinator", "ddiloco", "health", "127.0.0.1:50051",
+                    "--timeout", "5", check=False)
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr, (plain.returncode, plain.stderr)
+
     # Health-gated order, from the daemon's event log (a container keeps only its last 5
     # health results): the outer optimizer started after the coordinator first reported
     # healthy, and every learner after the outer optimizer did.

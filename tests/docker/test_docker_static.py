@@ -75,7 +75,7 @@ def test_compose_config_resolves(engine):
     # interpolation, profiles, depends_on targets. (The engine fixture installs the plugin.)
     for profile in ("lan", "wan", "wan-slow", "wan-mixed"):
         out = run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--services").stdout
-        assert set(out.split()) == {"coordinator", "outer", learner_service(profile)}
+        assert set(out.split()) == {"certs", "coordinator", "outer", learner_service(profile)}
     # no --profile: .env selects lan
     out = run("docker", "compose", "-f", str(COMPOSE_FILE), "config", "--services", env={"COMPOSE_PROFILES": None}).stdout
     assert "learner" in out.split()
@@ -291,3 +291,69 @@ def test_k8s_invariants():
     coordinator_args = jobs["ddiloco-coordinator"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert learners["completionMode"] == "Indexed"
     assert f"--learners={learners['completions']}" in coordinator_args
+
+
+# -- mutual TLS (docs/security.md) -----------------------------------------------------------
+
+SERVING = ("coordinator", "outer", "learner")
+
+
+def test_compose_issues_certificates_before_any_service_starts(compose):
+    """A one-shot `certs` service fills the certs volume; every service waits for it to have
+    succeeded and reads its identity from there (learners: their replica's, from the bundle)."""
+    services = compose["services"]
+    certs = services["certs"]
+    assert certs["command"][:3] == ["certs", "setup", "/data/certs"]
+    assert "--learners=${DDILOCO_LEARNERS:-4}" in certs["command"], "a certificate for every planned learner"
+    assert certs.get("network_mode") == "none" and certs.get("restart") == "no"
+    assert "certs" in compose["volumes"]
+    served = 0
+    for name, svc in services.items():
+        if svc.get("command", [""])[0] not in SERVING:
+            continue
+        served += 1
+        assert svc["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, name
+        assert "certs:/data/certs" in svc["volumes"], name
+        env = env_of(svc)
+        assert env["DDILOCO_TLS_DIR"], name
+        if svc["command"][0] == "learner":
+            assert env["DDILOCO_TLS_BUNDLE"] == "/data/certs/learners.json", name
+        else:
+            assert env["DDILOCO_TLS_DIR"] == f"/data/certs/{svc['command'][0]}", name
+            assert env["DDILOCO_REVOKED"] == "/data/certs/revoked.txt", name
+    assert served >= 6
+
+
+def test_stack_gives_each_service_only_its_own_key_as_secrets(stack):
+    svcs = stack["services"]
+    for role in ("coordinator", "outer"):
+        targets = {s["source"]: s["target"] for s in svcs[role]["secrets"]}
+        assert targets == {"ca": "ca.crt", f"{role}_crt": "tls.crt", f"{role}_key": "tls.key", "revoked": "revoked.txt"}, role
+        assert env_of(svcs[role])["DDILOCO_TLS_DIR"] == "/run/secrets"
+        assert env_of(svcs[role])["DDILOCO_REVOKED"] == "/run/secrets/revoked.txt"
+    assert [s["source"] for s in svcs["learner"]["secrets"]] == ["learners"]
+    assert env_of(svcs["learner"])["DDILOCO_TLS_BUNDLE"] == "/run/secrets/learners.json"
+    assert set(stack["secrets"]) == {"ca", "coordinator_crt", "coordinator_key", "outer_crt", "outer_key", "learners", "revoked"}
+
+
+def test_k8s_pods_mount_their_identity_from_the_tls_secret():
+    jobs = {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == "Job"}
+    for name, job in jobs.items():
+        spec = job["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["DDILOCO_TLS_DIR"], name
+        tls = next(v for v in spec["volumes"] if v["name"] == "tls")
+        assert tls["secret"]["secretName"] == "ddiloco-tls", name
+        keys = {i["key"] for i in tls["secret"]["items"]}
+        if name == "ddiloco-learners":
+            assert keys == {"learners.json"} and env["DDILOCO_TLS_BUNDLE"].endswith("/learners.json")
+        else:
+            role = name.removeprefix("ddiloco-")
+            assert keys == {"ca.crt", f"{role}.crt", f"{role}.key", "revoked.txt"}, name
+
+
+def test_the_entrypoint_runs_the_certs_command_and_unbundles_a_learners_identity():
+    text = (ROOT / "docker" / "entrypoint.sh").read_text()
+    assert re.search(r"\| certs\) role=\$1", text)
+    assert 'ddiloco certs unbundle "$DDILOCO_TLS_BUNDLE" --name "learner-$index"' in text

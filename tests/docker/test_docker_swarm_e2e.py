@@ -89,8 +89,13 @@ def swarm(engine):
 
 
 @pytest.mark.timeout(900)
-def test_stack_deploy_trains_health_gated_on_the_overlay(swarm):
-    run("docker", "stack", "deploy", "--resolve-image", "never", "-c", str(STACK_FILE), STACK, env=ENV)
+def test_stack_deploy_trains_health_gated_on_the_overlay(swarm, tmp_path):
+    from ddiloco.common.certs import setup_run
+
+    # mutual TLS: the run's certificates become the stack's secrets at deploy time
+    setup_run(tmp_path / "tls", LEARNERS)
+    run("docker", "stack", "deploy", "--resolve-image", "never", "-c", str(STACK_FILE), STACK,
+        env={**ENV, "DDILOCO_CERTS": str(tmp_path / "tls")})
     t0 = time.monotonic()
     want = {"coordinator": 1, "outer": 1, "learner": LEARNERS}
     seen_healthy: set[str] = set()

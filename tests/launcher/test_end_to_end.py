@@ -116,3 +116,19 @@ def test_ddiloco_report_plots_the_run_from_a_copy_of_its_folder(finished_run, tm
     assert f"| final eval loss, accuracy | {report['final_eval_loss']:.4f}" in summary
     assert f"| outer steps | {report['outer_steps']} |" in summary
     assert "![eval_loss](eval_loss.png)" in summary
+
+
+def test_the_run_made_its_own_ca_and_logged_no_key(finished_run):
+    """`ddiloco run` is mutual TLS by default: a fresh CA and a certificate per service in
+    RUN/tls, keys readable by their owner only and in no log."""
+    import stat
+
+    _, out = finished_run
+    keys = sorted((out / "tls").rglob("*.key"))
+    names = {k.parent.name for k in keys}
+    assert {"tls", "coordinator", "outer", "operator", "learner-0", "learner-1", "learner-2"} <= names
+    assert all(stat.S_IMODE(k.stat().st_mode) == 0o600 for k in keys)
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
+    assert "PRIVATE KEY" not in logs
+    for key in keys:
+        assert "".join(key.read_text().splitlines()[1:-1])[:40] not in logs

@@ -77,12 +77,17 @@ def value(samples: dict, name: str, **labels) -> float | None:
 
 def test_endpoints_json_lists_each_service_with_its_grpc_address_and_metrics_url(live_run):
     from ddiloco.common.health import check
+    from ddiloco.common.security import Security
 
     out, services, _ = live_run
     assert set(services) == {"coordinator", "outer", "learner-0", "learner-1"}
+    # `ddiloco run` is mutual TLS by default: the run's operator certificate is answered,
+    # a plaintext client is not
+    operator = Security.from_dir(out / "tls" / "operator")
     for s in services.values():
         assert s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
-        assert check(s["grpc"], timeout=5)[0], f"{s['name']} does not answer health at {s['grpc']}"
+        assert check(s["grpc"], timeout=5, security=operator)[0], f"{s['name']} does not answer health at {s['grpc']}"
+        assert check(s["grpc"], timeout=5)[1].startswith("UNAVAILABLE"), f"{s['name']} answered a plaintext client"
     assert services["coordinator"]["status"].startswith("http://127.0.0.1:")
     assert services["learner-1"]["datacenter"] == "dc1"
     targets = json.loads((out / "prometheus_targets.json").read_text())

@@ -36,7 +36,8 @@ def test_finalize_only_at_the_end_and_only_once(tmp_path):
         )
         # not --exit-when-finished: this outer optimizer must stay up to be asked again
         cluster.spawn(
-            "outer", ["outer", "--bind", "127.0.0.1:0", "--coordinator", cluster.coordinator_address, "--run-dir", str(cluster.out)]
+            "outer", ["outer", "--bind", "127.0.0.1:0", "--coordinator", cluster.coordinator_address, "--run-dir", str(cluster.out),
+                      *cluster.security_flags("outer", "outer")]
         )
         wait_until(cluster.registered_outer, 120, "outer registration")
         wait_serving(cluster.outer_address)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import math
 import pathlib
 import time
@@ -193,9 +194,10 @@ class Trainer:
         write_json(out / "ranks" / f"rank-{self.rank}.json", mine)
         ranks = [mine]
         if self.world > 1:
-            gathered: list[dict | None] = [None] * self.world
-            dist.all_gather_object(gathered, mine)
-            ranks = [r for r in gathered if r is not None]
+            # every rank's counters through the files just written, not all_gather_object:
+            # that unpickles what the other ranks send (tests/test_no_unsafe_deserialization.py)
+            dist.barrier()
+            ranks = [json.loads((out / "ranks" / f"rank-{r}.json").read_text()) for r in range(self.world)]
         self.metrics.event("dp_stop", rank=self.rank, steps=step, tokens=tokens)
         if self.rank != 0:
             return None

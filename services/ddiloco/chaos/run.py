@@ -21,7 +21,7 @@ from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
 from ddiloco.chaos.partition import NetnsPartitioner
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.launcher.processes import Cluster
-from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line
+from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line, run_tls
 from ddiloco.launcher.topology import make_topology
 
 
@@ -54,7 +54,7 @@ def run_with_chaos(
     notes: list[str] = []
     failures: dict[str, int] = {}
     with topology:  # torn down however this block is left (after faults are undone)
-        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
+        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         session = getattr(topology, "session", None)
         if partitioner is None and session is not None:
             partitioner = NetnsPartitioner(session.plan)

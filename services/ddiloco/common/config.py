@@ -119,6 +119,11 @@ class OuterConfig:
     checkpoint_every: int = 10  # merges between checkpoints
     eval_interval_s: float = 5.0
     max_delta_bytes: int = 256 << 20
+    # Per-learner rate limits on PushDelta and on PullGlobal (each its own bucket), calls a
+    # second, bursts of twice that; 0: none. A learner needs one push per fragment window
+    # and one pull per merge: far fewer. A refused call is RESOURCE_EXHAUSTED, which a
+    # learner retries after its backoff, so a limit slows a learner, never loses its work.
+    learner_calls_per_s: float = 100.0
 
 
 @dataclass

@@ -74,6 +74,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("outer.checkpoint_every", "--checkpoint-every", _between(1, 1 << 30), "an integer of at least 1"),
     ("outer.eval_interval_s", "--eval-interval", _pos, "a positive number of seconds"),
     ("outer.max_delta_bytes", None, _between(1024, 1 << 40), "from 1 KiB to 1 TiB"),
+    ("outer.learner_calls_per_s", None, lambda x: x == 0 or _between(0.01, 1e6)(x), "0 (no limit) or 0.01 to 1e6 calls a second"),
 ]
 
 

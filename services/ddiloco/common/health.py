@@ -1,21 +1,27 @@
 """``ddiloco health HOST:PORT``: exit 0 only if the target answers SERVING.
 
 Used as the Docker healthcheck, so it imports nothing heavy and always returns within its
-timeout.
+timeout. A service that serves mutual TLS answers only a client with a certificate of its
+run: give ``--tls-dir`` (or ``DDILOCO_TLS_DIR``, which a container of the deployment has).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddiloco.common.rpc import channel
+from ddiloco.common.security import Security
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, str]:
+
+def check(address: str, service: str = "", timeout: float = 3.0, security: Security | None = None) -> tuple[bool, str]:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with channel(address, security) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as exc:
@@ -28,9 +34,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="HOST:PORT of a ddiloco service")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    # only this flag reads the environment: a container's DDILOCO_TLS_DIR is its identity
+    parser.add_argument("--tls-dir", type=pathlib.Path, default=os.environ.get("DDILOCO_TLS_DIR") or None,
+                        help="an identity folder of the run (ca.crt, tls.crt, tls.key): dial with mutual TLS "
+                        "[env DDILOCO_TLS_DIR]")
 
 
 def main(args: argparse.Namespace) -> int:
-    ok, status = check(args.address, args.service, args.timeout)
+    security = None
+    if args.tls_dir is not None:
+        from ddiloco.common.certs import CertError
+
+        try:
+            security = Security.from_dir(args.tls_dir)
+        except CertError as exc:
+            print(f"ddiloco health: error: {exc}", file=sys.stderr)
+            return 2
+    ok, status = check(args.address, args.service, args.timeout, security)
     print(f"{args.address}: {status}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -1,5 +1,9 @@
 """gRPC plumbing shared by every service: servers with health, reflection, keepalive and
-graceful shutdown; client channels; retry with backoff; chunked payload streams."""
+graceful shutdown; client channels; retry with backoff; chunked payload streams.
+
+The one place where sockets get their security: ``Server`` and ``channel`` take the
+process's ``Security`` (``ddiloco.common.security``) and serve or dial with mutual TLS when
+it is enabled, plaintext only when it was explicitly made insecure."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from ddiloco.common.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +83,9 @@ class Server:
     orchestrator never routes to a process that cannot serve yet or any more.
     """
 
-    def __init__(self, bind: str, service_names: Iterable[str], max_workers: int = 16) -> None:
+    def __init__(
+        self, bind: str, service_names: Iterable[str], max_workers: int = 16, security: Security | None = None
+    ) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
         self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -85,7 +93,8 @@ class Server:
         reflection.enable_server_reflection(
             self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
-        self.port = self._server.add_insecure_port(bind)
+        self.security = security or Security.insecure()
+        self.port = _add_port(self._server, bind, self.security)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {bind}")
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -126,8 +135,37 @@ class Server:
         signal.signal(signal.SIGINT, handler)
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+def server_credentials(security: Security) -> grpc.ServerCredentials:
+    """Mutual TLS: a client without a certificate signed by the run CA never completes the
+    handshake, so no handler runs for it."""
+    return grpc.ssl_server_credentials(
+        [(security.key_pem, security.cert_pem)], root_certificates=security.ca_pem, require_client_auth=True
+    )
+
+
+def _add_port(server: grpc.Server, bind: str, security: Security) -> int:
+    if security.enabled:
+        return server.add_secure_port(bind, server_credentials(security))
+    return server.add_insecure_port(bind)
+
+
+def channel(address: str, security: Security | None = None, server_role: str | None = None) -> grpc.Channel:
+    """A client channel. With TLS it presents this process's certificate, trusts only the
+    run CA, and, given ``server_role``, accepts only a server certificate issued for that
+    role (``<role>.ddiloco``, see ddiloco.common.certs) whatever address was dialed; without
+    it the address's host must be a name in the server's certificate. ``security`` None is
+    plaintext, which a TLS server refuses at the handshake: forgetting it fails loudly."""
+    if security is None or not security.enabled:
+        return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+    from ddiloco.common.certs import role_host
+
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=security.ca_pem, private_key=security.key_pem, certificate_chain=security.cert_pem
+    )
+    options = list(CLIENT_OPTIONS)
+    if server_role is not None:
+        options.append(("grpc.ssl_target_name_override", role_host(server_role)))
+    return grpc.secure_channel(address, creds, options=options)
 
 
 T = TypeVar("T")

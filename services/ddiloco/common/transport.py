@@ -42,12 +42,13 @@ class GlobalParams:
 
 
 class OuterClient:
-    def __init__(self, address: str, run_id: str, learner_id: int, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, address: str, run_id: str, learner_id: int, chunk_bytes: int = 1 << 20, security=None) -> None:
         self.address = address
         self.run_id = run_id
         self.learner_id = learner_id
         self.chunk_bytes = chunk_bytes
-        self._channel = channel(address)
+        # security: the learner's ddiloco.common.security.Security (None: plaintext)
+        self._channel = channel(address, security, server_role="outer")
         self._stub = outer_pb2_grpc.OuterOptimizerStub(self._channel)
         # the chunk streams with ready frames out and views in (common/wire.py)
         self._push = self._channel.stream_unary(

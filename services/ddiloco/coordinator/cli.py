@@ -9,6 +9,7 @@ import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, port, setup_logging
 from ddiloco.common.runflags import add_run_flags, run_config_from_args
+from ddiloco.common.security import add_security_arguments, security_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--status-port", type=port, default=0, help="serve the live status page on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser, revocation=True)
     add_run_flags(parser)
     apply_env_defaults(parser)
 
@@ -32,12 +34,17 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
 
     config = run_config_from_args(args)
+    try:
+        security = security_from_args(args, "coordinator")
+    except SystemExit as exc:
+        print(f"ddiloco coordinator: error: {exc.code}", file=sys.stderr)
+        return 2
     if args.reopen and args.run_dir is None:
         print("ddiloco coordinator: error: --reopen continues the run saved in --run-dir; give --run-dir", file=sys.stderr)
         return 2
     options = CoordinatorOptions(
         args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen,
-        metrics_port=args.metrics_port, status_port=args.status_port,
+        metrics_port=args.metrics_port, status_port=args.status_port, security=security,
     )
     svc = CoordinatorService(config, options)
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())

@@ -7,14 +7,16 @@ import logging
 import pathlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from ddiloco.common import auth
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.security import Security
 from ddiloco.coordinator import errors
 from ddiloco.coordinator.membership import STATE_NAMES, Membership
 from ddiloco.coordinator.stats_rules import saturating_sum
@@ -32,6 +34,17 @@ STATUS_OF = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+# who may call what (ddiloco.common.auth): learners register and renew only themselves, only
+# the outer optimizer announces itself, anyone of the run may read its configuration
+POLICY: auth.Policy = {
+    "Register": auth.LEARNER,
+    "Heartbeat": auth.LEARNER,
+    "Leave": auth.LEARNER,
+    "GetRunConfig": auth.ANY,
+    "GetMembership": auth.ANY,
+    "RegisterService": auth.OUTER,
+}
+
 
 @dataclass
 class CoordinatorOptions:
@@ -42,11 +55,13 @@ class CoordinatorOptions:
     reopen: bool = False  # continue the stopped run saved in run_dir (``Membership.reopen``)
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     status_port: int = 0  # the live status page on the bind host; 0: off
+    security: Security = field(default_factory=Security.insecure)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(self, svc: "CoordinatorService") -> None:
         self.svc = svc
+        self.auth = auth.Authorizer(svc.options.security, POLICY)
 
     def _guard(self, context, fn):
         try:
@@ -54,8 +69,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except errors.Refused as exc:
             context.abort(STATUS_OF[type(exc)], exc.message)
 
+    def _authorize(self, context, method: str, learner_id: int | None = None):
+        try:
+            return self.auth.check(context.auth_context(), method, learner_id)
+        except auth.AuthError as exc:
+            auth.abort_on(context, exc)
+
     def Register(self, request, context):
         svc = self.svc
+        ident = self._authorize(context, "Register")
+        if ident is not None:
+            # the certificate names the learner: it may ask for its own id or any (-1), and gets its own
+            if request.requested_learner_id not in (-1, ident.learner_id):
+                auth.abort_on(context, auth.PermissionDenied(
+                    f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {request.requested_learner_id}"))
+            own = coordinator_pb2.RegisterRequest()
+            own.CopyFrom(request)
+            own.requested_learner_id = ident.learner_id
+            request = own
         rec = self._guard(context, lambda: svc.members.register(request))
         svc.metrics.event(
             "learner_registered", learner=rec.learner_id, incarnation=rec.incarnation, address=rec.address, shard=rec.shard_index
@@ -74,6 +105,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         svc = self.svc
+        self._authorize(context, "Heartbeat", request.learner_id)
         self._guard(context, lambda: svc.members.heartbeat(request.run_id, request.learner_id, request.stats))
         return coordinator_pb2.HeartbeatResponse(
             state=svc.members.state,
@@ -83,19 +115,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Leave(self, request, context):
         svc = self.svc
+        self._authorize(context, "Leave", request.learner_id)
         self._guard(context, lambda: svc.members.leave(request.run_id, request.learner_id, request.stats))
         svc.metrics.event("learner_left", learner=request.learner_id, reason=request.reason[:200])
         return coordinator_pb2.LeaveResponse()
 
     def GetRunConfig(self, request, context):
         svc = self.svc
+        self._authorize(context, "GetRunConfig")
         return coordinator_pb2.RunConfigResponse(run_id=svc.config.run_id, config_json=svc.config.to_json(), state=svc.members.state)
 
     def GetMembership(self, request, context):
+        self._authorize(context, "GetMembership")
         return self.svc.members.membership_pb()
 
     def RegisterService(self, request, context):
         svc = self.svc
+        self._authorize(context, "RegisterService")
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not {svc.config.run_id!r}")
         if request.kind != "outer":
@@ -122,7 +158,9 @@ class CoordinatorService:
         self.stop_event = threading.Event()
         self.finished = threading.Event()
         self.report: dict | None = None
-        self.server = Server(options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name])
+        self.server = Server(
+            options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name], security=options.security
+        )
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), self.server.grpc_server)
         self.watch = None
         self.exporter = None
@@ -137,7 +175,7 @@ class CoordinatorService:
         from ddiloco.coordinator.watch import RunWatch
 
         host = host_of(self.options.bind)
-        self.watch = RunWatch(self.members, self.config.learners, run_dir)
+        self.watch = RunWatch(self.members, self.config.learners, run_dir, security=self.options.security)
         self.exporter = start_exporter(host, self.options.metrics_port)
         if self.exporter is not None:
             from ddiloco.coordinator.prom import CoordinatorMetrics
@@ -192,7 +230,7 @@ class CoordinatorService:
     def _finish(self) -> None:
         """Ask the outer optimizer to merge what is pending and evaluate; write the report."""
         outer_address = self.members.outer_address
-        with channel(outer_address) as ch:
+        with channel(outer_address, self.options.security, server_role="outer") as ch:
             stub = outer_pb2_grpc.OuterOptimizerStub(ch)
             final = call_with_retry(
                 lambda: stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120),

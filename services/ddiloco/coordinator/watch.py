@@ -42,8 +42,9 @@ MAX_HELD = 300_000
 
 
 class RunWatch:
-    def __init__(self, members, learners: int, run_dir: pathlib.Path | None, poll_s: float = 1.0) -> None:
+    def __init__(self, members, learners: int, run_dir: pathlib.Path | None, poll_s: float = 1.0, security=None) -> None:
         self.members = members
+        self.security = security  # the coordinator's own (ddiloco.common.security)
         self.learners = learners
         self.path = run_dir / "metrics.jsonl" if run_dir is not None else None
         self.poll_s = poll_s
@@ -84,7 +85,7 @@ class RunWatch:
         if not address:
             return
         try:
-            with channel(address) as ch:
+            with channel(address, self.security, server_role="outer") as ch:
                 st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2)
         except grpc.RpcError:
             return  # down or restarting: the page keeps the last status and says how old it is

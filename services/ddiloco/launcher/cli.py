@@ -30,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-monitoring", action="store_true",
         help="no Prometheus /metrics endpoints and no status page (default: both on free ports, listed in RUN/endpoints.json)",
     )
+    parser.add_argument(
+        "--insecure", action="store_true",
+        help="no TLS between the services (default: a fresh CA and mutual TLS, certificates in RUN/tls)",
+    )
     _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -103,6 +107,7 @@ def main(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         resume=args.resume is not None,
         monitoring=not args.no_monitoring,
+        insecure=args.insecure,
         topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
     )
     try:

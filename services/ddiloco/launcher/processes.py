@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ddiloco.common.rpc import channel
+from ddiloco.common.security import Security
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 CHILD_ENV = {
@@ -64,6 +65,26 @@ class Cluster:
     outer_address: str = ""
     hub: Site = LOCAL  # coordinator and outer optimizer
     datacenters: list[Site] = field(default_factory=list)  # learner i runs at datacenters[i]; local when empty
+    # the run's certificate folder (``ddiloco certs setup``): each service gets its identity
+    # folder and the launcher dials as ``operator``; None: every service runs --insecure
+    tls: pathlib.Path | None = None
+    _security: Security | None = field(default=None, repr=False)
+
+    @property
+    def security(self) -> Security:
+        """How the launcher itself dials the services (read-only calls)."""
+        if self._security is None:
+            self._security = Security.from_dir(self.tls / "operator", "operator") if self.tls else Security.insecure()
+        return self._security
+
+    def security_flags(self, name: str, role: str) -> list[str]:
+        """The flags that give the service ``name`` its identity (or say it has none)."""
+        if self.tls is None:
+            return ["--insecure"]
+        flags = ["--tls-dir", str(self.tls / name)]
+        if role in ("coordinator", "outer"):
+            flags += ["--revoked", str(self.tls / "revoked.txt")]
+        return flags
 
     def site_of(self, index: int) -> Site:
         if not self.datacenters:
@@ -93,7 +114,7 @@ class Cluster:
         proc = self.spawn(
             "coordinator",
             ["coordinator", "--bind", f"{self.hub.host}:0", "--run-dir", str(self.out), "--exit-when-finished",
-             "--port-file", str(port_file), *(http or []), *run_flags],
+             "--port-file", str(port_file), *self.security_flags("coordinator", "coordinator"), *(http or []), *run_flags],
             site=self.hub,
         )
         deadline = time.monotonic() + timeout
@@ -110,7 +131,7 @@ class Cluster:
         return self.spawn(
             "outer",
             ["outer", "--bind", f"{self.hub.host}:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
-             "--exit-when-finished", *(extra or [])],
+             "--exit-when-finished", *self.security_flags("outer", "outer"), *(extra or [])],
             site=self.hub,
         )
 
@@ -120,13 +141,14 @@ class Cluster:
             name or f"learner-{index}",
             # learner i is datacenter i and reads shard i, also when restarted after a crash
             ["learner", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
-             "--learner-id", str(index), "--datacenter", f"dc{index}", "--bind", f"{site.host}:0", *(extra or [])],
+             "--learner-id", str(index), "--datacenter", f"dc{index}", "--bind", f"{site.host}:0",
+             *self.security_flags(f"learner-{index}", "learner"), *(extra or [])],
             site=site,
         )
 
     def membership(self, timeout: float = 2.0) -> coordinator_pb2.Membership | None:
         try:
-            with channel(self.coordinator_address) as ch:
+            with channel(self.coordinator_address, self.security, server_role="coordinator") as ch:
                 return coordinator_pb2_grpc.CoordinatorStub(ch).GetMembership(
                     coordinator_pb2.GetMembershipRequest(), timeout=timeout
                 )

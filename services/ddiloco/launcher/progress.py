@@ -133,9 +133,9 @@ class Progress:
             self._bar = None
 
 
-def read(coordinator_membership, timeout: float = 2.0) -> Snapshot | None:
+def read(coordinator_membership, timeout: float = 2.0, security=None) -> Snapshot | None:
     """A snapshot from a coordinator's ``Membership`` (None: it did not answer) and the outer
-    optimizer it names."""
+    optimizer it names (dialed with ``security``, the launcher's; None: plaintext)."""
     m = coordinator_membership
     if m is None:
         return None
@@ -148,7 +148,7 @@ def read(coordinator_membership, timeout: float = 2.0) -> Snapshot | None:
     )
     if m.outer_address:
         try:
-            with channel(m.outer_address) as ch:
+            with channel(m.outer_address, security, server_role="outer") as ch:
                 st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
             snap.version = st.version
             if st.last_eval_version or st.last_eval_loss:

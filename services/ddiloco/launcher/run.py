@@ -30,6 +30,9 @@ class LaunchOptions:
     # RUN/endpoints.json
     monitoring: bool = True
     topology: TopologyOptions = field(default_factory=TopologyOptions)
+    # no TLS: every service plaintext and unauthenticated. Default: a fresh CA and a
+    # certificate per service in RUN/tls (kept on --resume), mutual TLS on every call
+    insecure: bool = False
 
 
 @dataclass
@@ -62,7 +65,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
     # the topology is torn down on leaving this block, however it is left (netns: also on
     # SIGTERM/SIGHUP, which it turns into KeyboardInterrupt while it is up)
     with topology:
-        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters))
+        cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         try:
             topology.start(options.out)
             endpoints = Endpoints(options.out)
@@ -94,6 +97,17 @@ def launch(options: LaunchOptions) -> LaunchResult:
         topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
     return LaunchResult(report, failures, options.out, interrupted)
+
+
+def run_tls(options: LaunchOptions) -> pathlib.Path | None:
+    """The run's certificate folder, made (or completed, on --resume) now; None: --insecure."""
+    if options.insecure:
+        return None
+    from ddiloco.common.certs import setup_run
+
+    folder = options.out / "tls"
+    setup_run(folder, options.learners)
+    return folder
 
 
 def _http(endpoints: Endpoints, name: str, host: str, options: LaunchOptions, learner: int | None = None) -> list[str]:
@@ -150,7 +164,7 @@ def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints:
                 _learn_addresses(cluster, endpoints, m)
                 last_look = now
             if show:
-                snap = read(m)
+                snap = read(m, security=cluster.security)
                 if snap is not None:
                     display.show(snap)
                 last_print = now
@@ -169,6 +183,6 @@ def _budget(out: pathlib.Path) -> Budget | None:
 
 def progress_line(cluster: Cluster) -> str | None:
     """One plain progress line (``ddiloco chaos`` prints these)."""
-    snap = read(cluster.membership())
+    snap = read(cluster.membership(), security=cluster.security)
     budget = _budget(cluster.out)
     return plain_line(snap, budget) if snap is not None and budget is not None else None

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
+from ddiloco.common.security import add_security_arguments, security_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,11 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
     apply_env_defaults(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("learner", args.log_level)
+    try:
+        security = security_from_args(args, "learner")
+    except SystemExit as exc:
+        print(f"ddiloco learner: error: {exc.code}", file=sys.stderr)
+        return 2
+    learner_id = args.learner_id
+    if security.identity is not None:
+        # the certificate says who this learner is; a --learner-id may only repeat it
+        own = security.identity.learner_id
+        if learner_id not in (-1, own):
+            print(f"ddiloco learner: error: --learner-id {learner_id}, but the certificate in --tls-dir is learner {own}'s",
+                  file=sys.stderr)
+            return 2
+        learner_id = own
     limit_threads(args.threads)
     from ddiloco.learner.worker import Learner, LearnerOptions
 
@@ -41,12 +57,13 @@ def main(args: argparse.Namespace) -> int:
             advertise=args.advertise,
             run_dir=args.run_dir,
             device=args.device,
-            learner_id=args.learner_id,
+            learner_id=learner_id,
             datacenter=args.datacenter,
             slowdown=args.slowdown,
             batch_size=args.batch_size,
             inner_steps=args.inner_steps,
             metrics_port=args.metrics_port,
+            security=security,
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())

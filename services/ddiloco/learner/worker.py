@@ -34,11 +34,12 @@ import logging
 import pathlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from ddiloco.common import auth
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import ShardSampler, load_corpus
@@ -46,6 +47,7 @@ from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model
 from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.security import Security
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
@@ -56,6 +58,7 @@ from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learn
 log = logging.getLogger(__name__)
 
 STOP_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
+POLICY: auth.Policy = {"GetStatus": auth.ANY}  # a learner's status: anyone of the run may read it
 
 
 @dataclass
@@ -71,14 +74,20 @@ class LearnerOptions:
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
+    security: Security = field(default_factory=Security.insecure)
 
 
 class LearnerServicer(learner_pb2_grpc.LearnerServicer):
     def __init__(self, learner: "Learner") -> None:
         self.learner = learner
+        self.auth = auth.Authorizer(learner.options.security, POLICY)
 
     def GetStatus(self, request, context):
         lr = self.learner
+        try:
+            self.auth.check(context.auth_context(), "GetStatus")
+        except auth.AuthError as exc:
+            auth.abort_on(context, exc)
         return learner_pb2.LearnerStatus(
             run_id=lr.run_id, learner_id=lr.learner_id, phase=lr.phase, device=str(lr.device), stats=lr.stats.pb()
         )
@@ -95,7 +104,7 @@ class Learner:
         self.learner_id = -1
         self.drain = threading.Event()
         self.stop_event = threading.Event()
-        self.coord_channel = channel(options.coordinator)
+        self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
         self.outer_address = ""
         self._client: OuterClient | None = None
@@ -109,7 +118,10 @@ class Learner:
 
             LearnerMetrics(self.exporter, self)
             self.metrics.observers.append(self.exporter.observe)
-        self.server = Server(options.bind, [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name], max_workers=4)
+        self.server = Server(
+            options.bind, [learner_pb2.DESCRIPTOR.services_by_name["Learner"].full_name], max_workers=4,
+            security=options.security,
+        )
         learner_pb2_grpc.add_LearnerServicer_to_server(LearnerServicer(self), self.server.grpc_server)
 
     # ------------------------------------------------------------------ lifecycle
@@ -219,7 +231,9 @@ class Learner:
                 if self._client is not None:
                     self._client.close()
                 self.outer_address = address
-                self._client = OuterClient(address, self.run_id, self.learner_id, self.config.learner.chunk_bytes)
+                self._client = OuterClient(
+                    address, self.run_id, self.learner_id, self.config.learner.chunk_bytes, security=self.options.security
+                )
 
     def client(self) -> OuterClient:
         with self._client_lock:

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
+from ddiloco.common.security import add_security_arguments, security_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,11 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser, revocation=True)
     apply_env_defaults(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     setup_logging("outer", args.log_level)
+    try:
+        security = security_from_args(args, "outer")
+    except SystemExit as exc:
+        print(f"ddiloco outer: error: {exc.code}", file=sys.stderr)
+        return 2
     limit_threads(args.threads)
     from ddiloco.outer.service import OuterOptions, OuterService
 
@@ -34,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
             run_dir=args.run_dir,
             exit_when_finished=args.exit_when_finished,
             metrics_port=args.metrics_port,
+            security=security,
         )
     )
     import signal

@@ -3,21 +3,25 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
 
+from ddiloco.common import auth
 from ddiloco.common.config import RunConfig
 from ddiloco.common.data import eval_windows, load_corpus
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import build_model, evaluate
+from ddiloco.common.ratelimit import RateLimited, RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.security import Security
 from ddiloco.common.wire import Refused, add_outer_servicer, payload_info, reassemble, stream_frames
 from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.partial import PartialUploads
@@ -41,6 +45,20 @@ VIEW_MARGIN = 8
 # The run states in which the coordinator may ask for the final merge and evaluation.
 FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
 
+# An upload stream may cut its payload into chunks this small (or the run's chunk size, if
+# smaller) but no smaller: the bound on its number of messages (see bounded_stream).
+MIN_CHUNK_BYTES = 16 << 10
+
+# who may call what (ddiloco.common.auth): only learners move or read the model, each as
+# itself; only the coordinator ends the run; anyone of the run may read the status
+POLICY: auth.Policy = {
+    "PushDelta": auth.LEARNER,
+    "PullGlobal": auth.LEARNER,
+    "UploadOffset": auth.LEARNER,
+    "GetStatus": auth.ANY,
+    "Finalize": auth.COORDINATOR,
+}
+
 
 @dataclass
 class OuterOptions:
@@ -50,6 +68,16 @@ class OuterOptions:
     run_dir: pathlib.Path | None = None
     exit_when_finished: bool = False
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
+    security: Security = field(default_factory=Security.insecure)
+
+
+def bounded_stream(messages, max_messages: int, what: str):
+    """``messages`` with at most ``max_messages`` of them: a stream of many tiny (or empty)
+    chunks costs the server a call per message without filling the payload bound."""
+    for i, msg in enumerate(messages):
+        if i >= max_messages:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: more than {max_messages} messages for its payload")
+        yield msg
 
 
 class KnownLearners:
@@ -136,13 +164,47 @@ class Evaluator:
 class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
     def __init__(self, service: "OuterService") -> None:
         self.svc = service
+        self.auth = auth.Authorizer(service.options.security, POLICY)
+        rate = service.config.outer.learner_calls_per_s
+        self.limits = RateLimiter(rate, max(1.0, 2 * rate))
+
+    def _authorize(self, context, method: str, learner_id: int | None = None):
+        try:
+            return self.auth.check(context.auth_context(), method, learner_id)
+        except auth.AuthError as exc:
+            auth.abort_on(context, exc)
+
+    def _limit(self, context, method: str, learner_id: int) -> None:
+        try:
+            self.limits.take((method, learner_id), f"{method} of learner {learner_id}")
+        except RateLimited as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message)
+
+    def _admit_push(self, request_iterator, context):
+        """The delta stream once its sender may push it: the header (first message) names the
+        learner the caller's certificate names, within its rate, and the stream holds no
+        more messages than its declared payload needs in chunks of ``MIN_CHUNK_BYTES``. Checked before
+        the payload is read, so a refused push costs one message. Clients may chunk finer
+        than the run does, down to ``MIN_CHUNK_BYTES``."""
+        self._authorize(context, "PushDelta")  # role first: a non-learner is refused whatever it sends
+        first = next(request_iterator, None)
+        if first is None:
+            return iter(())
+        if first.HasField("header"):
+            self._authorize(context, "PushDelta", first.header.learner_id)
+            self._limit(context, "PushDelta", first.header.learner_id)
+            chunk = min(self.svc.config.learner.chunk_bytes, MIN_CHUNK_BYTES)
+            most = -(-max(first.header.payload.payload_bytes, 0) // chunk) + 1
+            return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
+        return itertools.chain([first], request_iterator)  # reassemble refuses a headless stream
 
     def PushDelta(self, request_iterator, context):
         svc = self.svc
         t0 = time.monotonic()
+        messages = self._admit_push(request_iterator, context)
         try:
             header, payload = reassemble(
-                request_iterator, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
+                messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
             )
             if header.run_id == svc.config.run_id:
                 svc.known.check(header.learner_id)
@@ -171,6 +233,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
     def PullGlobal(self, request, context):
         svc = self.svc
         t0 = time.monotonic()
+        self._authorize(context, "PullGlobal", request.learner_id)
+        self._limit(context, "PullGlobal", request.learner_id)
         if request.run_id and request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
         if not 0 <= request.fragment < len(svc.state.fragments):
@@ -194,6 +258,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def GetStatus(self, request, context):
         svc = self.svc
+        self._authorize(context, "GetStatus")
         if request.wait_ms:
             if request.wait_ms > MAX_STATUS_WAIT_MS:
                 context.abort(
@@ -208,6 +273,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         return svc.status()
 
     def Finalize(self, request, context):
+        self._authorize(context, "Finalize")
         try:
             return self.svc.finalize()
         except Refused as exc:
@@ -216,6 +282,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
     def UploadOffset(self, request, context):
         svc = self.svc
         header = request.header
+        # only the learner that pushed a broken upload may learn how much of it is held
+        self._authorize(context, "UploadOffset", header.learner_id)
+        self._limit(context, "UploadOffset", header.learner_id)
         if header.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not run {svc.config.run_id!r}")
         try:
@@ -230,7 +299,7 @@ class OuterService:
         self.options = options
         self.stop_event = threading.Event()
         self.finalized = threading.Event()
-        self.coordinator_channel = channel(options.coordinator)
+        self.coordinator_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coordinator_channel)
         self.known = KnownLearners(self.coordinator)
         self.bytes_lock = threading.Lock()
@@ -276,6 +345,7 @@ class OuterService:
             self.options.bind,
             [outer_pb2.DESCRIPTOR.services_by_name["OuterOptimizer"].full_name],
             max_workers=16 + 4 * self.config.learners,
+            security=self.options.security,
         )
         add_outer_servicer(OuterServicer(self), self.server.grpc_server)  # chunk streams without copies: common/wire.py
         self.server.start()

@@ -1,0 +1,117 @@
+"""What mutual TLS costs on the wire: one 256 MiB client stream over loopback gRPC, plaintext
+and mutual TLS, alternating in one run.
+
+    python bench/tls_overhead.py            # 256 MiB x 3 repetitions per mode
+    python bench/tls_overhead.py --quick    # 16 MiB x 1: the smoke form
+
+The server and the channel are ddiloco's own (``ddiloco.common.rpc``: the same options,
+credentials and certificates a learner's upload uses), the stream is the upload's shape
+(1 MiB messages, client streaming, one answer), and the handler only counts the bytes: this
+measures the transport, not the codec, the journal or the merge (the wire benchmark of the
+transport work measures the whole upload). Throughput is the median over repetitions;
+overhead = 1 - TLS / plaintext. Writes bench/results/tls_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common_bench import ROOT, finish_provenance, start_provenance  # noqa: E402
+
+import grpc  # noqa: E402
+
+from ddiloco.common.certs import setup_run  # noqa: E402
+from ddiloco.common.rpc import Server, channel  # noqa: E402
+from ddiloco.common.security import Security  # noqa: E402
+
+METHOD = "/ddiloco.bench.Sink/Push"
+CHUNK = 1 << 20
+TARGET = 0.10  # the issue's bound on TLS's cost
+
+
+def _sink(request_iterator, context) -> bytes:
+    n = 0
+    for chunk in request_iterator:
+        n += len(chunk)
+    return n.to_bytes(8, "little")
+
+
+def serve(security: Security) -> tuple[Server, str]:
+    server = Server("127.0.0.1:0", ["ddiloco.bench.Sink"], security=security)
+    handler = grpc.method_handlers_generic_handler(
+        "ddiloco.bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(_sink)}
+    )  # no (de)serializers: the messages are the raw bytes
+    server.grpc_server.add_generic_rpc_handlers((handler,))
+    server.start()
+    server.set_ready()
+    return server, f"127.0.0.1:{server.port}"
+
+
+def upload(address: str, security: Security | None, total: int) -> float:
+    """Seconds to stream ``total`` bytes and get the answer, on a fresh channel (its TLS
+    handshake included, as a learner's first upload has it)."""
+    payload = bytes(CHUNK)
+    with channel(address, security, server_role="outer") as ch:
+        push = ch.stream_unary(METHOD)
+        t0 = time.perf_counter()
+        got = push(iter([payload] * (total // CHUNK)), timeout=600)
+        seconds = time.perf_counter() - t0
+    assert int.from_bytes(got, "little") == total
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=256, help="MiB per upload")
+    parser.add_argument("--reps", type=int, default=3, help="uploads per mode")
+    parser.add_argument("--quick", action="store_true", help="16 MiB, 1 repetition (smoke test)")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "tls_overhead.json")
+    parser.add_argument("--allow-dirty", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mib, args.reps = 16, 1
+    prov = start_provenance(args.allow_dirty, "tls_overhead")
+    total = args.mib * CHUNK
+    with tempfile.TemporaryDirectory() as tmp:
+        tls = pathlib.Path(tmp)
+        setup_run(tls, 1)
+        servers = {"plaintext": serve(Security.insecure()), "mtls": serve(Security.from_dir(tls / "outer"))}
+        clients = {"plaintext": None, "mtls": Security.from_dir(tls / "learner-0")}
+        seconds: dict[str, list[float]] = {"plaintext": [], "mtls": []}
+        try:
+            upload(servers["plaintext"][1], None, CHUNK)  # warm both paths once
+            upload(servers["mtls"][1], clients["mtls"], CHUNK)
+            for _ in range(args.reps):  # alternate, so a drift in the machine's load hits both
+                for mode in ("plaintext", "mtls"):
+                    seconds[mode].append(upload(servers[mode][1], clients[mode], total))
+        finally:
+            for server, _ in servers.values():
+                server.stop(grace=0.5)
+    mbps = {m: round(total / statistics.median(s) / 1e6, 1) for m, s in seconds.items()}
+    overhead = round(1 - mbps["mtls"] / mbps["plaintext"], 4)
+    result = {
+        "bench": "tls_overhead", "bytes": total, "chunk_bytes": CHUNK, "reps": args.reps,
+        "seconds": {m: [round(x, 4) for x in s] for m, s in seconds.items()},
+        "throughput_mb_s": mbps, "overhead": overhead, "target_overhead": TARGET, "met": overhead <= TARGET,
+        **finish_provenance(prov),
+    }
+    print(f"| mode | MB/s (median of {args.reps}) |\n|---|---:|")
+    for m in ("plaintext", "mtls"):
+        print(f"| {m} | {mbps[m]} |")
+    print(f"\nTLS overhead: {overhead:.1%} (target <= {TARGET:.0%}: {'met' if result['met'] else 'missed'})")
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""Who is calling, and may they: the authorization of every call a service serves.
+
+gRPC's mutual TLS already refused any peer without a certificate of the run CA before a
+handler runs (the client sees UNAVAILABLE: no connection). What is left to decide per call,
+from the caller's certificate (``ddiloco.common.certs.Identity``):
+
+* a certificate on the deny list (revoked): ``Unauthenticated`` (its credentials are no
+  longer valid);
+* a certificate of the CA whose identity names no known role, a role the method's policy
+  does not admit, or a learner acting as another learner id: ``PermissionDenied``.
+
+Each service states one ``Policy`` (method -> admitted roles); a method missing from it is
+refused to everyone (fail closed). Nothing here knows gRPC status codes: the servicers map
+these errors to status codes at their edge (``abort_on``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import threading
+import time
+from typing import Callable, Mapping
+
+from ddiloco.common.certs import CertError, Identity, read_deny_list
+from ddiloco.common.security import Security
+
+log = logging.getLogger(__name__)
+
+# role groups of the policies
+ANY = frozenset({"coordinator", "outer", "learner", "operator"})
+LEARNER = frozenset({"learner"})
+OUTER = frozenset({"outer"})
+COORDINATOR = frozenset({"coordinator"})
+
+Policy = Mapping[str, frozenset]
+
+DENY_RELOAD_S = 1.0  # how stale the deny list may be: far below any lease
+
+
+class AuthError(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Unauthenticated(AuthError):
+    """The caller's credentials are not (any more) valid: none, or revoked."""
+
+
+class PermissionDenied(AuthError):
+    """Valid credentials, but not for this call: another role, or another learner's id."""
+
+
+def _status_codes() -> dict:
+    import grpc
+
+    return {Unauthenticated: grpc.StatusCode.UNAUTHENTICATED, PermissionDenied: grpc.StatusCode.PERMISSION_DENIED}
+
+
+class DenyList:
+    """Revoked serial numbers from a file, re-read when it changes (checked at most every
+    ``DENY_RELOAD_S``), so ``ddiloco certs revoke`` takes effect while the service runs. A
+    file that cannot be parsed keeps the last good list and is reported: a half-edited file
+    must not un-revoke anyone."""
+
+    def __init__(self, path: pathlib.Path | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.clock = clock
+        self._serials: frozenset[int] = frozenset()
+        self._stamp: tuple[int, int] | None = None
+        self._checked = -float("inf")
+        self._lock = threading.Lock()
+        self.reload()
+
+    def reload(self) -> None:
+        if self.path is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            stamp = None
+        else:
+            stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            serials = read_deny_list(self.path) if stamp is not None else frozenset()
+        except (CertError, OSError) as exc:
+            log.error("deny list not reloaded, the previous one stays in force: %s", exc)
+            return
+        if serials != self._serials:
+            log.info("deny list %s: %d revoked certificate(s)", self.path, len(serials))
+        self._serials, self._stamp = serials, stamp
+
+    def __contains__(self, serial: int) -> bool:
+        with self._lock:
+            now = self.clock()
+            if now - self._checked >= DENY_RELOAD_S:
+                self._checked = now
+                self.reload()
+            return serial in self._serials
+
+
+class Authorizer:
+    """Checks calls against one service's ``Policy``. With insecure ``Security`` every call
+    is admitted and no identity is known (``None``): the explicit opt-out."""
+
+    def __init__(self, security: Security, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = security.enabled
+        self.policy = policy
+        self.deny = DenyList(security.revoked, clock) if security.enabled else None
+        self._identities: dict[bytes, Identity | CertError] = {}  # parsed once per certificate
+        self._lock = threading.Lock()
+
+    def identity(self, auth_context: Mapping[str, list[bytes]]) -> Identity | None:
+        """The caller's identity from gRPC's auth context, or None without TLS."""
+        if not self.enabled:
+            return None
+        pems = auth_context.get("x509_pem_cert") or []
+        if len(pems) != 1:
+            raise Unauthenticated("the call carries no client certificate")
+        ident = self._parse(pems[0])
+        if isinstance(ident, CertError):
+            # signed by the run CA (TLS checked that), but no role this run knows: not allowed
+            raise PermissionDenied(f"the client certificate names no ddiloco identity: {ident}")
+        assert self.deny is not None
+        if ident.serial in self.deny:
+            raise Unauthenticated(f"the certificate of {ident.describe()} (serial {ident.serial:x}) is revoked")
+        return ident
+
+    def _parse(self, pem: bytes) -> Identity | CertError:
+        with self._lock:
+            found = self._identities.get(pem)
+        if found is not None:
+            return found
+        from cryptography import x509
+
+        from ddiloco.common.certs import identity_of
+
+        try:
+            found = identity_of(x509.load_pem_x509_certificate(pem))
+        except CertError as exc:
+            found = exc
+        except ValueError as exc:
+            found = CertError(str(exc))
+        with self._lock:
+            if len(self._identities) > 4096:  # bounded: certificates are few, attackers are not
+                self._identities.clear()
+            self._identities[pem] = found
+        return found
+
+    def check(self, auth_context: Mapping[str, list[bytes]], method: str, learner_id: int | None = None) -> Identity | None:
+        """Admit a call of ``method``, or raise. ``learner_id``: the learner the request acts
+        for, which a learner's certificate must name."""
+        ident = self.identity(auth_context)
+        if ident is None:
+            return None
+        roles = self.policy.get(method, frozenset())
+        if ident.role not in roles:
+            allowed = ", ".join(sorted(roles)) or "nobody"
+            raise PermissionDenied(f"{ident.describe()} may not call {method} (allowed: {allowed})")
+        if learner_id is not None and ident.role == "learner" and ident.learner_id != learner_id:
+            raise PermissionDenied(f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {learner_id}")
+        return ident
+
+
+def abort_on(context, exc: AuthError) -> None:
+    """End the call with the status of ``exc`` (the servicers' edge)."""
+    context.abort(_status_codes()[type(exc)], exc.message)
