@@ -238,7 +238,7 @@ def test_a_stream_with_more_messages_than_its_payload_needs_is_refused(system):
 
     def flood():
         yield outer_pb2.DeltaChunk(header=header, data=payload[:10])
-        for _ in range(len(payload)):  # one message per byte, or none at all: many more than 16 KiB chunks
+        for _ in range(len(payload)):  # one message per byte, or none at all: many more than 4 KiB chunks
             yield outer_pb2.DeltaChunk(data=b"")
 
     refused(system, lambda: system.learners[0].outer.PushDelta(flood(), timeout=30),

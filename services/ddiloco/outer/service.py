@@ -47,7 +47,7 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
-MIN_CHUNK_BYTES = 16 << 10
+MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
 
 # who may call what (ddiloco.common.auth): only learners move or read the model, each as
 # itself; only the coordinator ends the run; anyone of the run may read the status
