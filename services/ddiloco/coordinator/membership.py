@@ -100,7 +100,7 @@ class Membership:
         self.running_since: float | None = None
         self.drain_started: float | None = None
         self.dead_announced: set[int] = set()
-        self.bounds = Bounds.for_run(config)
+        self._bounds: Bounds | None = None  # from the workload, with the signature
         self.max_ids = max_learner_ids(config)
         self._signature = None
         self._signature_lock = threading.Lock()
@@ -126,11 +126,32 @@ class Membership:
 
     def expected_signature(self) -> coordinator_pb2.ModelSignature:
         """The signature of the run's model; built once (importing torch takes seconds, so
-        the service warms this at start and Register never holds the membership lock on it)."""
+        the service warms this at start and Register never holds the membership lock on it).
+        A workload that cannot be built refuses every learner with its error."""
         with self._signature_lock:
             if self._signature is None:
-                self._signature = model_signature(self.config)
+                from ddiloco.workloads import WorkloadError, load
+
+                try:
+                    workload = load(self.config)
+                    signature = model_signature(self.config, workload)
+                    self._bounds = Bounds.for_run(self.config, workload.reference_weight())
+                except WorkloadError as exc:
+                    raise FailedPrecondition(str(exc)) from None
+                except Exception as exc:  # the workload's own code failed
+                    raise FailedPrecondition(
+                        f"workload {self.config.workload.name!r}: building its model failed: {type(exc).__name__}: {exc}"
+                    ) from None
+                self._signature = signature
             return self._signature
+
+    @property
+    def bounds(self) -> Bounds:
+        """What a learner's report may claim; needs the workload (its step weight)."""
+        if self._bounds is None:
+            self.expected_signature()
+        assert self._bounds is not None
+        return self._bounds
 
     def _check_run(self, run_id: str, allow_empty: bool = False) -> None:
         if run_id != self.config.run_id and not (allow_empty and not run_id):

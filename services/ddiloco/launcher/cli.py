@@ -84,8 +84,16 @@ def main(args: argparse.Namespace) -> int:
             return 2
         print(f"resuming {args.resume} at version {point.version} ({point.state}, {point.elapsed:.1f} s and "
               f"{point.tokens:,} tokens trained)", file=sys.stderr)
-    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     assert config is not None
+    from ddiloco.workloads import WorkloadError
+    from ddiloco.workloads.preflight import preflight
+
+    try:
+        preflight(config)  # the workload tried once, before a run folder or a process exists
+    except WorkloadError as exc:
+        print(f"ddiloco run: error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = config.learners
     slow = {}
     for item in args.slow:
@@ -139,7 +147,7 @@ def print_summary(report: dict, stream) -> None:
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     rows = [
         ("eval loss", f"{report['initial_eval_loss']:.4f} -> {report['final_eval_loss']:.4f}"),
-        ("next-byte accuracy", f"{report['final_eval_accuracy']:.2%}"),
+        ("eval metric (accuracy)", "none" if report.get("final_eval_accuracy") is None else f"{report['final_eval_accuracy']:.2%}"),
         ("tokens trained", f"{report['tokens_trained']:,}"),
         ("outer steps", str(report["outer_steps"])),
         ("uploaded / downloaded", f"{mb(report['bytes_uploaded'])} / {mb(report['bytes_downloaded'])}"),

@@ -22,14 +22,20 @@ arrives; the unsent work is then zero, so it restarts exactly from G.
 
 Where a restarted learner resumes
 ---------------------------------
-Its shard is read in a fixed order (``ShardSampler``). On start it asks the outer optimizer
-how many of this learner id's tokens were accepted durably and resumes at that batch, so
-work that was acknowledged is not trained again, and at most the one window that was in
-flight when it died (never acknowledged) is trained again.
+Its shard is read in a fixed order (the workload's ``train_batches``: batch k of a shard is
+always the same). On start it asks the outer optimizer how many of this learner id's tokens
+were accepted durably, counts how many whole batches of its shard those tokens are (the
+batches' weights, read again from the start) and resumes at the next one, so work that
+was acknowledged is not trained again, and at most the one window that was in flight when
+it died (never acknowledged) is trained again.
+
+What it trains is the run's workload (``ddiloco.workloads``): the model, the batches, the
+loss and what each batch weighs come from it; nothing here knows what a batch holds.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import pathlib
 import threading
@@ -41,10 +47,8 @@ import torch
 
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
-from ddiloco.common.data import ShardSampler, load_corpus
 from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.model import build_model
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.puller import FragmentCopy, Puller
@@ -52,6 +56,9 @@ from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
+from ddiloco.workloads import WorkloadError
+from ddiloco.workloads import load as load_workload
+from ddiloco.workloads.checked import to_device
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +150,11 @@ class Learner:
         self.puller.start(self.supervisor)
         try:
             self._train()
+        except WorkloadError as exc:
+            # e.g. a non-finite loss: the window it fell in is never sent; what was queued
+            # before it is flushed, and the process exits non-zero with the workload's error
+            log.error("%s", exc)
+            self.supervisor.fail("workload", str(exc))
         finally:
             self._finish()
         return self.supervisor.exit_code()
@@ -178,8 +190,6 @@ class Learner:
         the process with the coordinator's message, no traceback."""
         import secrets
 
-        from ddiloco.coordinator.signature import model_signature
-
         if not getattr(self, "instance_token", ""):
             self.instance_token = secrets.token_hex(16)
         first = not self.run_id
@@ -189,7 +199,7 @@ class Learner:
         )
         run_config = RunConfig.from_json(run.config_json)
         req.instance_token = self.instance_token
-        req.model.CopyFrom(model_signature(run_config))
+        req.model.CopyFrom(self._signature(run_config))
         lease_wait_until = None
         while True:
             try:
@@ -213,6 +223,31 @@ class Learner:
                     raise SystemExit(f"learner refused by the coordinator ({code.name}): {exc.details()}") from None
                 raise
 
+    def _signature(self, run_config: RunConfig) -> coordinator_pb2.ModelSignature:
+        """The signature of the model this learner trains, built from the run's workload once
+        per process (the model is kept for ``_setup``). A workload that cannot be loaded or
+        built ends the process with its error before it joins."""
+        from ddiloco.coordinator.signature import signature_of_model
+
+        if getattr(self, "signature", None) is None:
+            try:
+                self.run_workload = load_workload(run_config)
+                if self.options.batch_size and self.options.batch_size != run_config.learner.batch_size:
+                    # this learner's batches are of its own size; the run's step weight
+                    # (the work clock's round) stays the run's workload's
+                    mine = copy.deepcopy(run_config)
+                    mine.learner.batch_size = self.options.batch_size
+                    self.workload = load_workload(mine)
+                else:
+                    self.workload = self.run_workload
+                self.initial_model = self.workload.build_model()
+            except Exception as exc:  # WorkloadError, or the workload's own code failing
+                log.error("workload %r: %s: %s", run_config.workload.name, type(exc).__name__, exc)
+                self.server.stop(grace=0)
+                raise SystemExit(f"learner cannot train the run's workload {run_config.workload.name!r}: {exc}") from None
+            self.signature = signature_of_model(self.initial_model)
+        return self.signature
+
     def _set_outer(self, address: str) -> None:
         with self._client_lock:
             if address and address != self.outer_address:
@@ -233,14 +268,9 @@ class Learner:
             self.metrics = MetricsLog(self.options.run_dir / "metrics.jsonl", f"learner-{self.learner_id}")
             if self.exporter is not None:
                 self.metrics.observers.append(self.exporter.observe)
-        self.batch_size = self.options.batch_size or lcfg.batch_size
         self.inner_steps = self.options.inner_steps or lcfg.inner_steps
-        self.tokens_per_step = self.batch_size * cfg.model.context
-        corpus = load_corpus(cfg.data, cfg.learners)
-        self.sampler = ShardSampler(
-            corpus.shards[self.shard_index], cfg.model.context, self.batch_size, seed=cfg.data.seed + self.shard_index
-        )
-        self.model = build_model(cfg.model, cfg.seed).to(self.device)
+        workload = self.workload
+        self.model = self.initial_model.to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.names = [n for n, _ in self.model.named_parameters()]
         self.optimizer = torch.optim.AdamW(
@@ -248,11 +278,14 @@ class Learner:
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
         self.puller = Puller(
-            self.client, self.learner_id, cfg.fragments, cfg.round_tokens(), lcfg.pull_poll_s, self.stats, self.metrics
+            self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
+            self.stats, self.metrics,
         )
         status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
-        self.batch_index = (mine.tokens_accepted // self.tokens_per_step) if mine else 0
+        shard = (self.shard_index, cfg.learners, cfg.data.seed)
+        self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
+        self.batches = workload.train_batches(*shard, self.batch_index)
         first_seq = (mine.last_seq + 1) if mine else 1
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
@@ -293,6 +326,7 @@ class Learner:
         # per fragment: steps, summed loss and compute seconds since its last upload, and
         # the step at which its current window ends
         win_steps = [0] * nfrag
+        win_tokens = [0] * nfrag
         win_loss = [0.0] * nfrag
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
@@ -319,16 +353,20 @@ class Learner:
             t0 = time.perf_counter()
             step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
             last = t0
-            x, y = self.sampler.batch(self.batch_index)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            batch = to_device(next(self.batches), self.device)
+            weight = self.workload.batch_weight(batch)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr(step)
-            _, loss = self.model(x, y)
+            loss = self.workload.loss(self.model, batch)
+            # read before the update: a non-finite loss stops the learner before it reaches
+            # the parameters, and the window it belongs to is never sent
+            loss_value = self.workload.check_finite(float(loss.detach()), f"at batch {self.batch_index} of shard {self.shard_index}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.params, lcfg.grad_clip)
             self.optimizer.step()
-            loss_value = float(loss.detach())  # also synchronises CUDA, so the timing below is honest
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # so that the timing below is honest
             dt = time.perf_counter() - t0
             if self.options.slowdown > 1:
                 # emulated slower hardware: the extra time counts as compute, as it would there
@@ -343,32 +381,33 @@ class Learner:
                 dt = self.config.lease_timeout_s
             step += 1
             self.batch_index += 1
-            self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
+            self.stats.add(tokens=weight, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             for f in range(nfrag):
                 win_steps[f] += 1
+                win_tokens[f] += weight
                 win_loss[f] += loss_value
                 win_compute[f] += dt
                 if step >= next_due[f]:
-                    self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
-                    win_steps[f], win_loss[f], win_compute[f] = 0, 0.0, 0.0
+                    self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
+                    win_steps[f], win_tokens[f], win_loss[f], win_compute[f] = 0, 0, 0.0, 0.0
                     next_due[f] = step + self.inner_steps
                     extended[f] = False
                     if lcfg.sync:
                         self._wait_for_merge()
         for f in range(nfrag):
             if win_steps[f]:
-                self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
+                self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
         self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
-    def _end_window(self, fragment: int, steps: int, mean_loss: float, compute_seconds: float) -> None:
+    def _end_window(self, fragment: int, steps: int, tokens: int, mean_loss: float, compute_seconds: float) -> None:
         ids = self.fragments[fragment]
         arrays = [(self.names[i], (self.anchor[i] - self.params[i]).float().cpu().numpy()) for i in ids]
         for i in ids:
             self.anchor[i].copy_(self.params[i])
         self.uploader.submit(
-            Window(arrays, self.versions[fragment], steps * self.tokens_per_step, steps, mean_loss, compute_seconds, fragment)
+            Window(arrays, self.versions[fragment], tokens, steps, mean_loss, compute_seconds, fragment)
         )
         self.metrics.event(
             "window", learner=self.learner_id, fragment=fragment, steps=steps, loss=round(mean_loss, 5),

@@ -40,14 +40,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., requested_learner_id: _Optional[int] = ..., device: _Optional[str] = ..., instance_token: _Optional[str] = ..., model: _Optional[_Union[ModelSignature, _Mapping]] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
-    __slots__ = ("tensors", "parameters", "sha256")
+    __slots__ = ("tensors", "parameters", "sha256", "values_sha256")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    VALUES_SHA256_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     parameters: int
     sha256: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    values_sha256: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ..., values_sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms")
