@@ -47,7 +47,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 # accepted so that one flag set serves both kinds of run: dp ignores the first (its shards
 # are --world-size) and logs its training loss every --inner-steps steps.
 DP_FLAGS = frozenset({
-    "--config", "--model", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
+    "--config", "--model", "--workload", "--workload-arg", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
     "--data-bytes", "--inner-steps", "--batch-size", "--lr", "--eval-interval",
 })
 
