@@ -58,6 +58,7 @@ STATE_NAMES = {
     coordinator_pb2.RUN_STATE_FINISHED: "finished",
 }
 MAX_TOKEN_CHARS = 128
+MAX_RANKS = 1024  # processes of one learner's group: a datacenter, not more
 
 
 def max_learner_ids(config: RunConfig) -> int:
@@ -71,6 +72,7 @@ class MemberRecord:
     shard_index: int
     address: str = ""
     datacenter: str = ""
+    ranks: int = 1  # processes of the learner's torch.distributed group
     incarnation: int = 0
     instance_token: str = ""  # the process holding the current incarnation
     left: bool = False
@@ -179,6 +181,8 @@ class Membership:
         token = req.instance_token
         if not token or len(token) > MAX_TOKEN_CHARS:
             raise InvalidArgument(f"instance_token must be 1 to {MAX_TOKEN_CHARS} characters (a random token per process)")
+        if not 0 <= req.ranks <= MAX_RANKS:
+            raise InvalidArgument(f"ranks must be 0 to {MAX_RANKS} (the processes of the learner's group), got {req.ranks}")
         requested = req.requested_learner_id
         if not -1 <= requested < self.max_ids:
             raise InvalidArgument(
@@ -212,6 +216,7 @@ class Membership:
                 rec.instance_token = token
             rec.address = req.address
             rec.datacenter = req.datacenter
+            rec.ranks = max(1, req.ranks)
             rec.left = False
             rec.last_heartbeat = self.clock()
             self.dead_announced.discard(learner_id)
@@ -349,6 +354,7 @@ class Membership:
                         "shard_index": r.shard_index,
                         "address": r.address,
                         "datacenter": r.datacenter,
+                        "ranks": r.ranks,
                         "incarnation": r.incarnation,
                         "instance_token": r.instance_token,
                         "left": r.left,

@@ -228,6 +228,7 @@ def build_report(
             {
                 "learner_id": rec.learner_id,
                 "shard": rec.shard_index,
+                "ranks": rec.ranks,
                 "incarnations": rec.incarnation,
                 "tokens": s["tokens"],
                 "inner_steps": s["inner_steps"],

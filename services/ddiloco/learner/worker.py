@@ -51,6 +51,7 @@ from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.transport import OuterClient
+from ddiloco.learner.group import Group, Solo, strided
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
@@ -77,6 +78,8 @@ class LearnerOptions:
     slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
+    ranks: int = 1  # processes of this learner's torch.distributed group (ddiloco.learner.group)
+    threads: int = 1  # torch CPU threads of each of the group's other ranks
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
 
 
@@ -102,6 +105,7 @@ class Learner:
         self.learner_id = -1
         self.drain = threading.Event()
         self.stop_event = threading.Event()
+        self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.coord_channel = channel(options.coordinator)
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
         self.outer_address = ""
@@ -171,6 +175,7 @@ class Learner:
             datacenter=self.options.datacenter,
             requested_learner_id=self.options.learner_id if self.learner_id < 0 else self.learner_id,
             device=str(self.device),
+            ranks=self.options.ranks,
         )
         resp = self._register_call(req)
         self.run_id = resp.run_id
@@ -285,13 +290,19 @@ class Learner:
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
         shard = (self.shard_index, cfg.learners, cfg.data.seed)
         self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
-        self.batches = workload.train_batches(*shard, self.batch_index)
+        # a group of R ranks reads R consecutive batches per step, this process the first
+        self.batches = strided(workload.train_batches(*shard, self.batch_index), self.options.ranks)
         first_seq = (mine.last_seq + 1) if mine else 1
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
         for f, copy in enumerate(copies):
             self._fold(f, copy)
+        if self.options.ranks > 1:
+            self.group = Group(self.options.ranks, self.device, self.options.threads)
+            setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
+                     "batch_size": self.options.batch_size}
+            self.group.share_setup(setup, self.params, self.fragments)
         self.model.train()
         self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq, self.learner_id)
         self.metrics.event(
@@ -334,11 +345,13 @@ class Learner:
         step = 0
         step_wall: float | None = None  # running mean of wall seconds per step
         extended = [False] * nfrag  # the current window was already lengthened (alignment)
+        resend: set[int] = set()  # fragments the group's other ranks must receive again
         last = time.perf_counter()
         while not self.drain.is_set():
             for f, copy in self.puller.take().items():
                 if copy.version > self.versions[f]:
                     self._fold(f, copy)
+                    resend.add(f)
                 if lcfg.align_windows and not lcfg.sync and copy.lead_s > 0 and step_wall and not extended[f]:
                     # phase alignment: this learner's last delta of fragment f waited lead_s
                     # for the last peer of its merge. End the window in progress later by
@@ -353,6 +366,8 @@ class Learner:
             t0 = time.perf_counter()
             step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
             last = t0
+            self.group.before_step(resend)
+            resend.clear()
             batch = to_device(next(self.batches), self.device)
             weight = self.workload.batch_weight(batch)
             for group in self.optimizer.param_groups:
@@ -363,6 +378,8 @@ class Learner:
             loss_value = self.workload.check_finite(float(loss.detach()), f"at batch {self.batch_index} of shard {self.shard_index}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            # the group's mean gradient, loss and summed weight (one process: these as they are)
+            loss_value, weight = self.group.average(self.params, loss_value, weight)
             torch.nn.utils.clip_grad_norm_(self.params, lcfg.grad_clip)
             self.optimizer.step()
             if self.device.type == "cuda":
@@ -380,7 +397,7 @@ class Learner:
                 self.metrics.event("step_stalled", learner=self.learner_id, seconds=round(dt, 3))
                 dt = self.config.lease_timeout_s
             step += 1
-            self.batch_index += 1
+            self.batch_index += self.group.size
             self.stats.add(tokens=weight, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             for f in range(nfrag):
@@ -393,8 +410,10 @@ class Learner:
                     win_steps[f], win_tokens[f], win_loss[f], win_compute[f] = 0, 0, 0.0, 0.0
                     next_due[f] = step + self.inner_steps
                     extended[f] = False
+                    resend.add(f)  # bounds any drift between the group's replicas to one window
                     if lcfg.sync:
                         self._wait_for_merge()
+        self.group.stop()
         for f in range(nfrag):
             if win_steps[f]:
                 self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
@@ -478,6 +497,7 @@ class Learner:
 
     def _finish(self) -> None:
         self.phase = "draining"
+        self.group.close()  # after a failure: the other ranks go down with this one
         # after a failure too: a failed puller leaves the uploader able to flush (returns at
         # once if the uploader itself is gone; its unacknowledged work is trained again)
         flushed = self.uploader.flush(timeout=self.config.drain_timeout_s / 2)
