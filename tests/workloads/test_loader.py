@@ -54,9 +54,18 @@ def test_a_missing_or_uncallable_function_is_refused(tmp_path):
     refused(config("ddiloco.workloads.bytegpt:EVAL_BATCH"), "is a int, not a function")
 
 
-def test_a_function_that_raises_is_refused_with_its_error():
-    message = refused(config("ddiloco.workloads.bytegpt:workload", {"size": "9"}), "calling it failed")
-    assert "takes no --workload-arg" in message
+def test_a_function_that_raises_is_refused_with_its_error(tmp_path):
+    refused(config("ddiloco.workloads.bytegpt:workload", {"size": "9"}), "'ddiloco.workloads.bytegpt:workload'",
+            "calling it failed", "takes no --workload-arg (got ['size'])")
+    name = write(tmp_path, source="def workload(args):\n    raise KeyError('width')\n")
+    refused(config(name), "calling it failed: KeyError: 'width'")
+
+
+def test_an_edited_file_is_read_again(tmp_path):
+    name = write(tmp_path)
+    assert load(config(name)).build_model().weight.shape == (1, 4)
+    write(tmp_path, "def model(self):\n    return nn.Linear(4, 2)\n")
+    assert load(config(name)).build_model().weight.shape == (2, 4)
 
 
 def test_an_object_without_the_methods_is_refused_naming_each_missing_one(tmp_path):

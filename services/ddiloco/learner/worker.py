@@ -159,6 +159,12 @@ class Learner:
             # before it is flushed, and the process exits non-zero with the workload's error
             log.error("%s", exc)
             self.supervisor.fail("workload", str(exc))
+        except RuntimeError as exc:
+            if self.group.size == 1:
+                raise
+            # a collective failed: a rank of this learner's group is gone; the learner fails
+            # as a unit (its other ranks are ended by _finish) and a restart resumes it
+            self.supervisor.fail("group", f"{type(exc).__name__}: {exc}")
         finally:
             self._finish()
         return self.supervisor.exit_code()

@@ -59,9 +59,11 @@ def _import(name: str, module: str):
         path = pathlib.Path(module)
         if not path.is_file():
             raise WorkloadError(f"workload {name!r}: no such file {module}")
-        # one module per file, named after its path: loading it twice (the signature, then
-        # the learner) reuses it, and two files of the same name do not collide
-        key = "ddiloco_workload_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        # one module per file and content, named after both: loading it again (the check,
+        # then the run) reuses it, two files of the same name do not collide, and a file
+        # that changed is read again
+        ident = str(path.resolve()).encode() + b"\0" + path.read_bytes()
+        key = "ddiloco_workload_" + hashlib.sha256(ident).hexdigest()[:16]
         if key in sys.modules:
             return sys.modules[key]
         spec = importlib.util.spec_from_file_location(key, path)
@@ -103,10 +105,9 @@ def load(run: RunConfig) -> Workload:
     fn = resolve(name)
     try:
         impl = fn(WorkloadArgs(dict(run.workload.args), run))
-    except WorkloadError:
-        raise
-    except Exception as exc:
-        raise WorkloadError(f"workload {name!r}: calling it failed: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # e.g. options it refuses: its message, with the workload named
+        detail = str(exc) if isinstance(exc, WorkloadError) else f"{type(exc).__name__}: {exc}"
+        raise WorkloadError(f"workload {name!r}: calling it failed: {detail}") from exc
     missing = [m for m in REQUIRED if not callable(getattr(impl, m, None))]
     if missing:
         raise WorkloadError(
