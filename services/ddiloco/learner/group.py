@@ -57,6 +57,13 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def local_only(backend: str) -> None:
+    """Gloo picks its interface from the host name, which may resolve to an address of the
+    WAN side; the group's traffic stays on the loopback interface instead."""
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,6 +98,7 @@ class Group:
         self.size = size
         self.device = device
         self.backend = backend_for(device)
+        local_only(self.backend)
         port = free_port()
         init = f"tcp://127.0.0.1:{port}"
         self.children = [

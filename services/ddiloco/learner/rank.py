@@ -15,7 +15,9 @@ import torch.distributed as dist
 from ddiloco.common.cliargs import limit_threads, setup_logging
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
-from ddiloco.learner.group import COLLECTIVE_TIMEOUT, average_gradients, backend_for, receive_or_send, strided, watch_parent
+from ddiloco.learner.group import (
+    COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, strided, watch_parent,
+)
 from ddiloco.workloads import load
 from ddiloco.workloads.checked import to_device
 
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    local_only(backend_for(device))
     dist.init_process_group(backend_for(device), init_method=args.init, rank=args.rank, world_size=args.world,
                             timeout=COLLECTIVE_TIMEOUT)
     train(args.rank, args.world, device)
