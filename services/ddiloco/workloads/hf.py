@@ -36,7 +36,7 @@ EVAL_BATCH = 16
 # small configurations for tests and laptops; dropout off so a step is a function of its batch
 PRESETS: dict[str, dict] = {
     "gpt2-tiny": {"model_type": "gpt2", "vocab_size": BYTES, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 2,
-                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0},
     "llama-tiny": {"model_type": "llama", "vocab_size": BYTES, "hidden_size": 64, "intermediate_size": 128,
                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
                    "max_position_embeddings": 128},
