@@ -62,6 +62,18 @@ def test_mlp_regression_trains_through_ddiloco_run_and_its_eval_loss_falls(tmp_p
     assert all(lr["deltas_merged"] > 0 for lr in report["learners"])
     assert report["tokens_trained"] % 32 == 0  # samples, 32 per batch
 
+    # the checkpoint holds the workload's parameters: exported, it rebuilds the model
+    from ddiloco.cli import main
+    from ddiloco.modelio.source import load as load_source
+    from ddiloco.workloads.evaluate import evaluate
+
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "mlp.safetensors")]) == 0
+    model = load_source(tmp_path / "mlp.safetensors").to_model()
+    assert isinstance(model, torch.nn.Sequential)
+    loss, _ = evaluate(load(config(MLP)), model)
+    assert abs(loss - report["final_eval_loss"]) < 1e-6 * max(1.0, loss)
+    assert main(["generate", str(tmp_path / "mlp.safetensors"), "--prompt", "x"]) == 2  # bytes: the built-in GPT only
+
 
 def test_cifar_like_cnn_trains_through_ddiloco_run_and_its_eval_loss_falls(tmp_path):
     report = run(tmp_path, CNN, "--max-tokens", "40000", "--max-seconds", "50", "--lr", "3e-3")
