@@ -82,7 +82,9 @@ def test_endpoints_json_lists_each_service_with_its_grpc_address_and_metrics_url
     assert set(services) == {"coordinator", "outer", "learner-0", "learner-1"}
     for s in services.values():
         assert s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
-        assert check(s["grpc"], timeout=5)[0], f"{s['name']} does not answer health at {s['grpc']}"
+        # a learner is listed once it registered, and answers NOT_SERVING until its set-up
+        # (first pull, fold) is done, well under a second later: wait for SERVING
+        wait_until(lambda: check(s["grpc"], timeout=5)[0], 30, f"{s['name']} to answer SERVING at {s['grpc']}")
     assert services["coordinator"]["status"].startswith("http://127.0.0.1:")
     assert services["learner-1"]["datacenter"] == "dc1"
     targets = json.loads((out / "prometheus_targets.json").read_text())

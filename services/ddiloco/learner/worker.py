@@ -252,6 +252,9 @@ class Learner:
                 else:
                     self.workload = self.run_workload
                 self.initial_model = self.workload.build_model()
+                # the data too, before joining: a registered learner sets up in moments
+                # (its status endpoint answers SERVING soon after its address is known)
+                self.run_workload.reference_weight()
             except Exception as exc:  # WorkloadError, or the workload's own code failing
                 log.error("workload %r: %s: %s", run_config.workload.name, type(exc).__name__, exc)
                 self.server.stop(grace=0)
