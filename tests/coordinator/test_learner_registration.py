@@ -62,3 +62,33 @@ def test_a_learner_restarted_under_a_live_id_waits_for_the_lease_then_joins(coor
     # the previous process is gone: within about one lease (1.5 s) the new one holds the id
     wait_until(lambda: membership(stub).members[0].incarnation == 2, 1.5 + 3, "the restarted learner to take id 0")
     assert proc.returncode() is None and membership(stub).members[0].alive
+
+
+# a learner whose workload builds the run's tensors with other values (its own randomness)
+OTHER_VALUES_LEARNER = """
+import sys
+import ddiloco.workloads.checked as checked
+built = checked.Workload.build_model
+def other_values(self):
+    model = built(self)
+    next(model.parameters()).data[0, 0] += 1.0
+    return model
+checked.Workload.build_model = other_values
+from ddiloco.cli import main
+sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu']))
+"""
+
+
+def test_a_learner_whose_initial_parameters_differ_is_refused_before_it_trains(coordinator):
+    cluster, stub = coordinator
+    announce_outer(stub)
+    before = snapshot(stub)
+    proc = subprocess.run(
+        [sys.executable, "-c", OTHER_VALUES_LEARNER, cluster.coordinator_address],
+        env=child_env(), capture_output=True, text=True, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "FAILED_PRECONDITION" in out and "the run's tensors but other initial values" in out, out
+    assert "Traceback" not in out, out
+    assert snapshot(stub) == before

@@ -86,7 +86,9 @@ def test_endpoints_json_lists_each_service_with_its_grpc_address_and_metrics_url
     operator = Security.from_dir(out / "tls" / "operator")
     for s in services.values():
         assert s["metrics"].startswith("http://127.0.0.1:") and s["metrics"].endswith("/metrics")
-        assert check(s["grpc"], timeout=5, security=operator)[0], f"{s['name']} does not answer health at {s['grpc']}"
+        # a learner is listed once it registered, and answers NOT_SERVING until its set-up
+        # (first pull, fold) is done, well under a second later: wait for SERVING
+        wait_until(lambda: check(s["grpc"], timeout=5, security=operator)[0], 30, f"{s['name']} to answer SERVING at {s['grpc']}")
         assert check(s["grpc"], timeout=5)[1].startswith("UNAVAILABLE"), f"{s['name']} answered a plaintext client"
     assert services["coordinator"]["status"].startswith("http://127.0.0.1:")
     assert services["learner-1"]["datacenter"] == "dc1"

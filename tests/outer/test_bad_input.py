@@ -214,9 +214,13 @@ def test_an_inflated_token_count_is_refused_and_the_service_stays_responsive(pro
     assert probe.client.status().version >= 1
 
 
-def test_tokens_that_are_not_a_whole_batch_per_step_are_refused(probe):
-    header, payload = _claim(probe, tokens=5 * 64 * 4 + 1)
-    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "a batch in")
+def test_tokens_outside_what_the_steps_can_weigh_are_refused(probe):
+    """At least 1 per step, at most 16 x the run's step weight (batch x context) per step:
+    batches of a workload may weigh differently, so the sum is not checked against one batch."""
+    header, payload = _claim(probe, tokens=4)  # 5 steps
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "a batch weight in [1, 4096]")
+    header, payload = _claim(probe, tokens=5 * 16 * 64 * 4 + 1)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "a batch weight in [1, 4096]")
 
 
 def test_more_inner_steps_than_a_delta_may_coalesce_are_refused(probe):

@@ -94,7 +94,7 @@ def print_summary(report: dict, stream) -> None:
     rows = [
         ("method", f"{report['method']} (world size {report['world_size']})"),
         ("eval loss", f"{report['initial_eval_loss']:.4f} -> {report['final_eval_loss']:.4f}"),
-        ("next-byte accuracy", f"{report['final_eval_accuracy']:.2%}"),
+        ("eval metric (accuracy)", "none" if report.get("final_eval_accuracy") is None else f"{report['final_eval_accuracy']:.2%}"),
         ("tokens trained", f"{report['tokens_trained']:,}"),
         ("optimizer steps", str(report["optimizer_steps"])),
         ("bytes per rank (sent+received)", f"{report['bytes_exchanged'] / 1e6:.2f} MB ({report['bytes_exchanged_source']})"),

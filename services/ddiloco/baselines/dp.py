@@ -1,11 +1,12 @@
 """Synchronous data-parallel training: one rank of W, all-reducing gradients every step.
 
-Everything a ddiloco learner does the same way is done the same way here: the model
-(``build_model`` with the run's seed, so every rank starts from identical weights), the data
-(``load_corpus`` split into W shards, rank r reads shard r with ``ShardSampler`` seeded like
-learner r), the inner optimizer (AdamW, betas (0.9, 0.95), the run's weight decay, linear
-warmup, gradient clipping) and the evaluation (``eval_windows`` + ``evaluate`` on the same
-held-out windows). The only difference is the one being measured: gradients are averaged
+Everything a ddiloco learner does the same way is done the same way here, through the run's
+workload (``ddiloco.workloads``): the model (``model()`` under the run's seed, so every rank
+starts from identical weights), the data (``train_batches`` of shard r of W for rank r,
+seeded like learner r), the loss, the inner optimizer (AdamW, betas (0.9, 0.95), the run's
+weight decay, linear warmup, gradient clipping) and the evaluation (the workload's held-out
+batches). Tokens are counted as the run's step weight per rank step (``reference_weight``:
+``batch x context`` for the built-in model). The only difference is the one being measured: gradients are averaged
 over the W ranks before every optimizer step, so the W replicas never drift apart; the
 global batch is W times the per-learner batch, at the same learning rate.
 
@@ -34,10 +35,12 @@ import torch.distributed as dist
 from ddiloco.baselines import netcount
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
-from ddiloco.common.data import ShardSampler, eval_windows, load_corpus
 from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.model import build_model, evaluate, parameter_count
+from ddiloco.common.model import parameter_count
+from ddiloco.workloads import load as load_workload
+from ddiloco.workloads.checked import to_device
+from ddiloco.workloads.evaluate import evaluate
 
 
 @dataclass
@@ -78,17 +81,15 @@ class Trainer:
         self.metrics = MetricsLog(options.out / "metrics.jsonl", f"dp-rank-{self.rank}")
         cfg = config
         # W shards, exactly the split a ddiloco run with W learners trains on
-        corpus = load_corpus(cfg.data, self.world)
-        self.sampler = ShardSampler(
-            corpus.shards[self.rank], cfg.model.context, cfg.learner.batch_size, seed=cfg.data.seed + self.rank
-        )
-        self.windows = eval_windows(corpus.eval_bytes, cfg.model.context, cfg.data.eval_windows) if self.rank == 0 else None
-        self.model = build_model(cfg.model, cfg.seed).to(self.device)
+        self.workload = load_workload(cfg)
+        self.batches = self.workload.train_batches(self.rank, self.world, cfg.data.seed, 0)
+        self.eval_batches = self.workload.eval_batches() if self.rank == 0 else None
+        self.model = self.workload.build_model().to(self.device)
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.learner.lr, weight_decay=cfg.learner.weight_decay, betas=(0.9, 0.95)
         )
-        self.tokens_per_rank_step = cfg.learner.batch_size * cfg.model.context
+        self.tokens_per_rank_step = self.workload.reference_weight()
         global_step_tokens = self.world * self.tokens_per_rank_step
         # the budget is total tokens across ranks; round up so that at least the budget is trained
         self.max_steps = math.ceil(cfg.max_tokens / global_step_tokens) if cfg.max_tokens > 0 else None
@@ -101,11 +102,12 @@ class Trainer:
         lc = self.config.learner
         return lc.lr * min(1.0, (step + 1) / max(lc.warmup_steps, 1))
 
-    def _eval(self, step: int, tokens: int) -> tuple[float, float]:
-        assert self.windows is not None
-        loss, acc = evaluate(self.model, self.windows)
+    def _eval(self, step: int, tokens: int) -> tuple[float, float | None]:
+        assert self.eval_batches is not None
+        loss, acc = evaluate(self.workload, self.model, self.eval_batches)  # acc None: no metric
         # ``version`` is the optimizer step, the counterpart of a ddiloco global version
-        self.metrics.event("eval", version=step, tokens=tokens, eval_loss=round(loss, 5), eval_accuracy=round(acc, 5))
+        self.metrics.event("eval", version=step, tokens=tokens, eval_loss=round(loss, 5),
+                           eval_accuracy=None if acc is None else round(acc, 5))
         return loss, acc
 
     def _allreduce(self, flat: torch.Tensor) -> torch.Tensor:
@@ -135,11 +137,10 @@ class Trainer:
         loss_sum, loss_n = 0.0, 0
         while self.max_steps is None or step < self.max_steps:
             t0 = time.perf_counter()
-            x, y = self.sampler.batch(step)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            batch = to_device(next(self.batches), self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr(step)
-            _, loss = self.model(x, y)
+            loss = self.workload.loss(self.model, batch)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
             stop = 1.0 if (self.rank == 0 and time.monotonic() - start >= cfg.max_seconds) else 0.0

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import sys
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
@@ -69,14 +70,26 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "DDILOCO_"
             on = word in TRUE
             action.default = on if isinstance(action, argparse._StoreTrueAction) else not on
             continue
-        try:
-            converted = action.type(value) if action.type is not None else value
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
-            kind = getattr(action.type, "__name__", "value")
-            _env_error(parser, f"{name}={value!r}: not a valid {kind} for {longs[0]} ({exc})")
+        if isinstance(action, argparse._AppendAction):
+            # a repeatable flag: several values, shell-quoted (``a=1 'b=two words'``)
+            try:
+                words = shlex.split(value)
+            except ValueError as exc:
+                _env_error(parser, f"{name}={value!r}: not shell-quoted words ({exc})")
+            action.default = [_env_value(parser, action, name, longs[0], w) for w in words]
+            continue
+        converted = _env_value(parser, action, name, longs[0], value)
         if action.choices is not None and converted not in action.choices:
             _env_error(parser, f"{name}={value!r}: {longs[0]} must be one of {', '.join(map(str, action.choices))}")
         action.default = converted
+
+
+def _env_value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, flag: str, value: str):
+    try:
+        return action.type(value) if action.type is not None else value
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+        kind = getattr(action.type, "__name__", "value")
+        _env_error(parser, f"{name}={value!r}: not a valid {kind} for {flag} ({exc})")
 
 
 def _env_error(parser: argparse.ArgumentParser, message: str) -> None:

@@ -14,9 +14,24 @@ import typing
 from dataclasses import dataclass, field
 
 
+# The workload a run trains when none is named: the byte-level GPT below on text.
+DEFAULT_WORKLOAD = "ddiloco.workloads.bytegpt:workload"
+
+
+@dataclass
+class WorkloadConfig:
+    """What the run trains: ``name`` is ``module:function`` or ``FILE.py:function``
+    (``--workload``), ``args`` the options handed to that function (``--workload-arg
+    KEY=VALUE``). See ddiloco.workloads and docs/workloads.md."""
+
+    name: str = DEFAULT_WORKLOAD
+    args: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class ModelConfig:
-    """A small GPT-style byte-level language model (vocabulary of 256 bytes)."""
+    """A small GPT-style byte-level language model (vocabulary of 256 bytes): the built-in
+    workload's model (``ModelConfig`` and ``DataConfig`` are read by it alone)."""
 
     n_layer: int = 4
     n_head: int = 4
@@ -45,7 +60,7 @@ class DataConfig:
     max_bytes: int = 4_000_000
     eval_every_nth_doc: int = 20  # every 20th document goes to the held-out eval set
     eval_windows: int = 48
-    seed: int = 1234
+    seed: int = 1234  # every workload's data seed: the ``seed`` of ``train_batches``
 
 
 @dataclass
@@ -142,13 +157,16 @@ class RunConfig:
     # seed's initialisation; momentum starts at zero. "" = off. A run that already has a
     # checkpoint of its own restores that instead.
     init_from: str = ""
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
 
     def round_tokens(self) -> int:
-        """Tokens of learner work in one synchronous DiLoCo round: M learners x H steps."""
+        """Tokens of learner work in one synchronous DiLoCo round of the built-in workload:
+        M learners x H steps x batch x context (the services ask the run's workload instead:
+        ``Workload.round_tokens``; the benches of the built-in model use this)."""
         per_step = self.learner.batch_size * self.model.context
         return self.learners * self.learner.inner_steps * per_step
 
@@ -184,5 +202,9 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
             value = float(value)
         elif hint in (int, float, str, bool) and (type(value) is not hint):
             raise ValueError(f"{path} must be {hint.__name__}, got {value!r}")
+        elif hint == dict[str, str] and not (
+            isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        ):
+            raise ValueError(f"{path} must be an object of strings, got {value!r}")
         kwargs[key] = value
     return cls(**kwargs)  # type: ignore[call-arg]

@@ -92,10 +92,24 @@ def problems(cfg: RunConfig) -> list[str]:
         value = value_at(cfg, path)
         if not ok(value):
             out.append(f"{flag or path} must be {allowed}, got {value!r}")
+    out += _workload_problems(cfg)
     if not out:
         if cfg.model.d_model % cfg.model.n_head:
             out.append(f"model.d_model ({cfg.model.d_model}) must be a multiple of model.n_head ({cfg.model.n_head})")
         if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
             out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
                        f"({cfg.heartbeat_interval_s})")
+    return out
+
+
+def _workload_problems(cfg: RunConfig) -> list[str]:
+    """The workload's name and options as text; whether it imports and what it returns is
+    checked by ddiloco.workloads.loader (this module does not import user code)."""
+    out = []
+    module, sep, function = cfg.workload.name.rpartition(":")
+    if not sep or not module or not function.isidentifier():
+        out.append(f"--workload must be MODULE:FUNCTION or FILE.py:FUNCTION, got {cfg.workload.name!r}")
+    for key in cfg.workload.args:
+        if not key or "=" in key or key != key.strip():
+            out.append(f"--workload-arg keys must be non-empty, without '=' or surrounding spaces, got {key!r}")
     return out

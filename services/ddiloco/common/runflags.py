@@ -19,6 +19,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-seconds", "max_seconds", duration, "training budget (600, 600s, 10m, 1.5h), from the first learner's arrival"),
     ("--max-tokens", "max_tokens", int, "token budget across learners (0: none)"),
     ("--seed", "seed", int, "seed of the initial model"),
+    ("--workload", "workload.name", str, "what to train: MODULE:FUNCTION or FILE.py:FUNCTION (docs/workloads.md)"),
     ("--data", "data.path", str, "train on this text file or folder instead of the built-in corpus"),
     ("--data-bytes", "data.max_bytes", int, "read at most this many bytes of text"),
     ("--inner-steps", "learner.inner_steps", int, "H: inner steps between uploads"),
@@ -46,7 +47,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 # accepted so that one flag set serves both kinds of run: dp ignores the first (its shards
 # are --world-size) and logs its training loss every --inner-steps steps.
 DP_FLAGS = frozenset({
-    "--config", "--model", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
+    "--config", "--model", "--workload", "--workload-arg", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
     "--data-bytes", "--inner-steps", "--batch-size", "--lr", "--eval-interval",
 })
 
@@ -61,6 +62,8 @@ def add_run_flags(parser: argparse.ArgumentParser, only: frozenset[str] | None =
 
     add("--config", type=pathlib.Path, default=None, help="start from this RunConfig JSON")
     add("--model", choices=sorted(MODEL_PRESETS), default=None, help="model size preset (default: small)")
+    add("--workload-arg", dest="workload_args", action="append", type=workload_arg, default=None, metavar="KEY=VALUE",
+        help="an option of the workload, repeatable (in the environment: several, separated by spaces, shell-quoted)")
     add("--sync", action="store_true", default=None, help="synchronous DiLoCo (barrier every H steps)")
     add("--naive-merge", action="store_true", default=None,
         help="apply a full synchronous outer step per arrival (diverges; for comparison only)")
@@ -103,6 +106,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = _config_file(args.config) if args.config else RunConfig()
     if args.model:
         cfg.model = copy.deepcopy(MODEL_PRESETS[args.model])
+    if args.workload_args:
+        cfg.workload.args.update(dict(args.workload_args))
     if args.sync:
         cfg.learner.sync = True
     if args.dynamic_local_updates:
@@ -135,22 +140,45 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     found = problems(cfg)
     if found:
         raise SystemExit(found[0])
+    _check_workload(cfg)
     if getattr(args, "init_from", None) is not None:
         cfg.init_from = str(args.init_from.resolve())
     if cfg.init_from:
         from ddiloco.modelio.source import SourceError, check_matches, load
 
         try:
-            check_matches(load(pathlib.Path(cfg.init_from)), cfg.model)
+            check_matches(load(pathlib.Path(cfg.init_from)), cfg)
         except SourceError as exc:
             raise SystemExit(f"--init-from: {exc}") from None
     return cfg
 
 
+def workload_arg(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of ``--workload-arg`` as a pair."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _check_workload(cfg: RunConfig) -> None:
+    """A FILE.py workload made absolute (the services run in other folders); the workload
+    imported and called once, so that a name that does not resolve, options it refuses or
+    an object without the methods end the command before anything starts."""
+    from ddiloco.workloads import WorkloadError, load
+    from ddiloco.workloads.loader import absolute
+
+    try:
+        cfg.workload.name = absolute(cfg.workload.name)
+        load(cfg)
+    except WorkloadError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def _with_absent_flags(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with every run flag a parser did not define (``add_run_flags(only=...)``) as
     not given (None)."""
-    names = ["config", "model", "sync", "naive_merge", "dynamic_local_updates", "init_from", "no_align_windows"]
+    names = ["config", "model", "workload_args", "sync", "naive_merge", "dynamic_local_updates", "init_from", "no_align_windows"]
     names += ["cfg_" + dest.replace(".", "__") for _, dest, _, _ in _FLAGS]
     return argparse.Namespace(**{**{n: None for n in names}, **vars(args)})
 
@@ -179,6 +207,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--config", str(args.config)]
     if args.model:
         out += ["--model", args.model]
+    for key, value in args.workload_args or []:
+        out += ["--workload-arg", f"{key}={value}"]
     if args.sync:
         out += ["--sync"]
     if args.dynamic_local_updates:
@@ -192,5 +222,9 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
     for flag, dest, _, _ in _FLAGS:
         value = getattr(args, "cfg_" + dest.replace(".", "__"))
         if value is not None:
+            if flag == "--workload":  # the child may run in another folder than this command
+                from ddiloco.workloads.loader import absolute
+
+                value = absolute(value)
             out += [flag, str(value)]
     return out

@@ -58,6 +58,7 @@ STATE_NAMES = {
     coordinator_pb2.RUN_STATE_FINISHED: "finished",
 }
 MAX_TOKEN_CHARS = 128
+MAX_RANKS = 1024  # processes of one learner's group: a datacenter, not more
 
 
 def max_learner_ids(config: RunConfig) -> int:
@@ -71,6 +72,7 @@ class MemberRecord:
     shard_index: int
     address: str = ""
     datacenter: str = ""
+    ranks: int = 1  # processes of the learner's torch.distributed group
     incarnation: int = 0
     instance_token: str = ""  # the process holding the current incarnation
     left: bool = False
@@ -100,7 +102,7 @@ class Membership:
         self.running_since: float | None = None
         self.drain_started: float | None = None
         self.dead_announced: set[int] = set()
-        self.bounds = Bounds.for_run(config)
+        self._bounds: Bounds | None = None  # from the workload, with the signature
         self.max_ids = max_learner_ids(config)
         self._signature = None
         self._signature_lock = threading.Lock()
@@ -126,11 +128,32 @@ class Membership:
 
     def expected_signature(self) -> coordinator_pb2.ModelSignature:
         """The signature of the run's model; built once (importing torch takes seconds, so
-        the service warms this at start and Register never holds the membership lock on it)."""
+        the service warms this at start and Register never holds the membership lock on it).
+        A workload that cannot be built refuses every learner with its error."""
         with self._signature_lock:
             if self._signature is None:
-                self._signature = model_signature(self.config)
+                from ddiloco.workloads import WorkloadError, load
+
+                try:
+                    workload = load(self.config)
+                    signature = model_signature(self.config, workload)
+                    self._bounds = Bounds.for_run(self.config, workload.reference_weight())
+                except WorkloadError as exc:
+                    raise FailedPrecondition(str(exc)) from None
+                except Exception as exc:  # the workload's own code failed
+                    raise FailedPrecondition(
+                        f"workload {self.config.workload.name!r}: building its model failed: {type(exc).__name__}: {exc}"
+                    ) from None
+                self._signature = signature
             return self._signature
+
+    @property
+    def bounds(self) -> Bounds:
+        """What a learner's report may claim; needs the workload (its step weight)."""
+        if self._bounds is None:
+            self.expected_signature()
+        assert self._bounds is not None
+        return self._bounds
 
     def _check_run(self, run_id: str, allow_empty: bool = False) -> None:
         if run_id != self.config.run_id and not (allow_empty and not run_id):
@@ -158,6 +181,8 @@ class Membership:
         token = req.instance_token
         if not token or len(token) > MAX_TOKEN_CHARS:
             raise InvalidArgument(f"instance_token must be 1 to {MAX_TOKEN_CHARS} characters (a random token per process)")
+        if not 0 <= req.ranks <= MAX_RANKS:
+            raise InvalidArgument(f"ranks must be 0 to {MAX_RANKS} (the processes of the learner's group), got {req.ranks}")
         requested = req.requested_learner_id
         if not -1 <= requested < self.max_ids:
             raise InvalidArgument(
@@ -191,6 +216,7 @@ class Membership:
                 rec.instance_token = token
             rec.address = req.address
             rec.datacenter = req.datacenter
+            rec.ranks = max(1, req.ranks)
             rec.left = False
             rec.last_heartbeat = self.clock()
             self.dead_announced.discard(learner_id)
@@ -328,6 +354,7 @@ class Membership:
                         "shard_index": r.shard_index,
                         "address": r.address,
                         "datacenter": r.datacenter,
+                        "ranks": r.ranks,
                         "incarnation": r.incarnation,
                         "instance_token": r.instance_token,
                         "left": r.left,

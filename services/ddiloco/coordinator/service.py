@@ -4,6 +4,7 @@ end of the run (drain, final evaluation by the outer optimizer, ``report.json``)
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 import threading
 import time
@@ -191,9 +192,15 @@ class CoordinatorService:
     def port(self) -> int:
         return self.server.port
 
+    def _warm_signature(self) -> None:
+        try:
+            self.members.expected_signature()
+        except errors.Refused as exc:  # a workload that cannot be built: every Register gets this message
+            log.error("the run's workload cannot be used; learners will be refused: %s", exc.message)
+
     def start(self) -> None:
         # the model signature needs torch (seconds to import): build it before the first Register asks
-        threading.Thread(target=self.members.expected_signature, name="signature", daemon=True).start()
+        threading.Thread(target=self._warm_signature, name="signature", daemon=True).start()
         self.server.start()
         self.server.set_ready()
         self.metrics.event("coordinator_ready", port=self.server.port, run_id=self.config.run_id)
@@ -259,6 +266,7 @@ def build_report(
             {
                 "learner_id": rec.learner_id,
                 "shard": rec.shard_index,
+                "ranks": rec.ranks,
                 "incarnations": rec.incarnation,
                 "tokens": s["tokens"],
                 "inner_steps": s["inner_steps"],
@@ -278,7 +286,8 @@ def build_report(
         "state": STATE_NAMES[members.state],
         "initial_eval_loss": st.initial_eval_loss,
         "final_eval_loss": final.final_eval_loss,
-        "final_eval_accuracy": final.final_eval_accuracy,
+        # NaN on the wire: the workload defines no metric
+        "final_eval_accuracy": None if math.isnan(final.final_eval_accuracy) else final.final_eval_accuracy,
         # learner-reported, validated (stats_rules); tokens_merged is the outer optimizer's own count
         "tokens_trained": saturating_sum(x["tokens"] for x in learners),
         "tokens_merged": st.tokens_merged,

@@ -6,8 +6,11 @@ configuration gives (``expected_signature``). Without this, a learner running ot
 code (an older release, a patched build) joined, and then failed with a shape mismatch in
 its first fold, or worse, sent deltas the outer optimizer had to refuse one by one.
 
-Both sides build the model on the ``meta`` device: no memory is allocated and no weights
-are initialised, so this costs milliseconds even for large models.
+The signature also carries a digest of the initial parameter values (``values_sha256``):
+every learner builds the model from the run's workload under the run's seed, and a workload
+whose ``model()`` is not deterministic (its own unseeded randomness, a file that differs
+between hosts) would otherwise join with weights that differ from its peers'. So both
+sides build the model for real, once per process.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ddiloco.v1 import common_pb2, coordinator_pb2
 MAX_LISTED = 5  # differences named in a refusal; the rest are counted
 
 
-def signature_of(named_shapes: list[tuple[str, tuple[int, ...]]]) -> coordinator_pb2.ModelSignature:
+def signature_of(named_shapes: list[tuple[str, tuple[int, ...]]], values_sha256: str = "") -> coordinator_pb2.ModelSignature:
     tensors = [common_pb2.TensorSpec(name=n, shape=list(s), dtype="float32") for n, s in named_shapes]
     parameters = 0
     for _, shape in named_shapes:
@@ -29,7 +32,17 @@ def signature_of(named_shapes: list[tuple[str, tuple[int, ...]]]) -> coordinator
         for d in shape:
             count *= d
         parameters += count
-    return coordinator_pb2.ModelSignature(tensors=tensors, parameters=parameters, sha256=_digest(named_shapes))
+    return coordinator_pb2.ModelSignature(
+        tensors=tensors, parameters=parameters, sha256=_digest(named_shapes), values_sha256=values_sha256
+    )
+
+
+def values_digest(model) -> str:
+    """SHA-256 of a model's parameters, as float32 bytes in ``named_parameters`` order."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _digest(named_shapes) -> str:
@@ -56,15 +69,18 @@ def _named_shapes(sig: coordinator_pb2.ModelSignature) -> list[tuple[str, tuple[
     return [(t.name, tuple(t.shape)) for t in sig.tensors]
 
 
-def model_signature(config: RunConfig) -> coordinator_pb2.ModelSignature:
-    """The signature of the model this process's code builds for ``config``."""
-    import torch
+def model_signature(config: RunConfig, workload=None) -> coordinator_pb2.ModelSignature:
+    """The signature of the model this process's code builds for ``config`` (through
+    ``workload``, the run's workload already loaded, or loaded here)."""
+    if workload is None:
+        from ddiloco.workloads import load
 
-    from ddiloco.common.model import build_model
+        workload = load(config)
+    return signature_of_model(workload.build_model())
 
-    with torch.device("meta"):
-        model = build_model(config.model, config.seed)
-    return signature_of([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+
+def signature_of_model(model) -> coordinator_pb2.ModelSignature:
+    return signature_of([(n, tuple(p.shape)) for n, p in model.named_parameters()], values_digest(model))
 
 
 def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_pb2.ModelSignature) -> None:
@@ -77,6 +93,12 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
     if got.sha256 != _digest(mine):
         raise InvalidArgument("RegisterRequest.model.sha256 does not match its own tensor list")
     if got.sha256 == expected.sha256:
+        if got.values_sha256 != expected.values_sha256:
+            raise FailedPrecondition(
+                "this learner's model has the run's tensors but other initial values "
+                f"(values_sha256 {got.values_sha256[:12] or 'missing'} instead of {expected.values_sha256[:12]}): "
+                f"the workload's model() must give the same parameters for the same seed in every process"
+            )
         return
     # count the parameters ourselves for the message, saturating: a caller's dimensions may
     # multiply past int64, which a ModelSignature cannot hold ("Value out of range", UNKNOWN)

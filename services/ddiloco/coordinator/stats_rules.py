@@ -20,9 +20,10 @@ The bounds, and why they are safe for honest learners:
 * Inner steps: at most ``MAX_STEPS_PER_S`` (10,000) per second. Each step is a forward,
   a backward and an AdamW update launched from Python and synchronised by reading the
   loss; the smallest model takes milliseconds per step, so this is 10x-100x beyond reach.
-* Tokens: each step trains ``batch x context`` tokens. The batch may be overridden per
-  learner (``--batch-size``, to emulate learners of another size), so the bound is
-  ``BATCH_MULTIPLE`` (64) times the run's batch: tokens <= inner_steps x context x 64 x batch.
+* Tokens: each step trains the weight of one batch of the run's workload (``batch x
+  context`` for the built-in model; ``Workload.reference_weight``). The batch may be
+  overridden per learner (``--batch-size``, to emulate learners of another size), so the
+  bound is ``BATCH_MULTIPLE`` (64) times that: tokens <= inner_steps x 64 x step weight.
 * Deltas, acknowledgements and pulls are network round trips: at most ``MAX_CALLS_PER_S``.
 * Bytes: at most ``MAX_BYTES_PER_S`` (100 GB/s, beyond any network interface).
 * Seconds (compute, wall): at most T.
@@ -66,11 +67,16 @@ class Bounds:
     tokens_per_step: int
 
     @classmethod
-    def for_run(cls, config: RunConfig) -> "Bounds":
+    def for_run(cls, config: RunConfig, step_weight: int | None = None) -> "Bounds":
+        """``step_weight``: the run's workload's ``reference_weight()`` (None: loaded here)."""
         lifetime = config.max_seconds + config.drain_timeout_s + LIFETIME_SLACK_S
         if not math.isfinite(lifetime) or lifetime <= 0:
             lifetime = 365 * 86400.0  # no time budget: a year
-        return cls(lifetime, BATCH_MULTIPLE * config.learner.batch_size * config.model.context)
+        if step_weight is None:
+            from ddiloco.workloads import load
+
+            step_weight = load(config).reference_weight()
+        return cls(lifetime, BATCH_MULTIPLE * step_weight)
 
     def rate(self, name: str) -> float:
         """Most of ``name`` per second of a learner's life."""

@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
     parser.add_argument(
+        "--ranks-per-learner", type=int, default=1, metavar="R",
+        help="each learner a torch.distributed group of R processes, data-parallel on this host (gloo on CPU, NCCL on GPU)",
+    )
+    parser.add_argument(
         "--resume", type=pathlib.Path, default=None, metavar="RUN",
         help="continue the stopped run in this folder from its last checkpoint, each learner at its data position; "
         "run flags may only extend the budget (--max-seconds, --max-tokens are totals)",
@@ -55,6 +59,8 @@ def _topology_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ddiloco.learner.cli import MAX_RANKS
+
     from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
     from ddiloco.launcher.topology import TopologyOptions
 
@@ -88,8 +94,16 @@ def main(args: argparse.Namespace) -> int:
             return 2
         print(f"resuming {args.resume} at version {point.version} ({point.state}, {point.elapsed:.1f} s and "
               f"{point.tokens:,} tokens trained)", file=sys.stderr)
-    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     assert config is not None
+    from ddiloco.workloads import WorkloadError
+    from ddiloco.workloads.preflight import preflight
+
+    try:
+        preflight(config)  # the workload tried once, before a run folder or a process exists
+    except WorkloadError as exc:
+        print(f"ddiloco run: error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = config.learners
     slow = {}
     for item in args.slow:
@@ -98,12 +112,17 @@ def main(args: argparse.Namespace) -> int:
             slow[int(lid)] = float(factor)
         except ValueError:
             raise SystemExit(f"--slow expects ID:FACTOR, got {item!r}")
+    if not 1 <= args.ranks_per_learner <= MAX_RANKS:
+        print(f"ddiloco run: error: --ranks-per-learner must be 1 to {MAX_RANKS}, got {args.ranks_per_learner}", file=sys.stderr)
+        return 2
     options = LaunchOptions(
         out=out,
         run_flags=forward_run_flags(args),
         learners=learners,
         device=args.device,
         slowdown=slow,
+        learner_flags={i: ["--nproc-per-learner", str(args.ranks_per_learner)] for i in range(learners)}
+        if args.ranks_per_learner > 1 else {},
         progress=not args.quiet,
         resume=args.resume is not None,
         monitoring=not args.no_monitoring,
@@ -144,7 +163,7 @@ def print_summary(report: dict, stream) -> None:
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     rows = [
         ("eval loss", f"{report['initial_eval_loss']:.4f} -> {report['final_eval_loss']:.4f}"),
-        ("next-byte accuracy", f"{report['final_eval_accuracy']:.2%}"),
+        ("eval metric (accuracy)", "none" if report.get("final_eval_accuracy") is None else f"{report['final_eval_accuracy']:.2%}"),
         ("tokens trained", f"{report['tokens_trained']:,}"),
         ("outer steps", str(report["outer_steps"])),
         ("uploaded / downloaded", f"{mb(report['bytes_uploaded'])} / {mb(report['bytes_downloaded'])}"),

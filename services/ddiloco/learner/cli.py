@@ -13,6 +13,11 @@ from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setu
 from ddiloco.common.security import add_security_arguments, security_from_args
 
 
+# A group step weighs its R batches; the outer optimizer admits at most 16 x the run's step
+# weight per step (outer/admission.py), so more ranks than that would have every delta refused.
+MAX_RANKS = 16
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT of this learner's status/health endpoint")
@@ -24,7 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slowdown", type=float, default=1.0, help="emulate hardware this many times slower")
     parser.add_argument("--batch-size", type=int, default=0, help="override the run's batch size for this learner")
     parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (of each rank)")
+    parser.add_argument(
+        "--nproc-per-learner", type=int, default=1, metavar="R",
+        help=f"run this learner as a torch.distributed group of R processes on this host (1 to {MAX_RANKS}; "
+        "rank 0, this process, alone speaks gRPC)",
+    )
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
     add_security_arguments(parser)
@@ -32,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not 1 <= args.nproc_per_learner <= MAX_RANKS:
+        print(f"ddiloco learner: error: --nproc-per-learner must be 1 to {MAX_RANKS}, got {args.nproc_per_learner}",
+              file=sys.stderr)
+        return 2
     setup_logging("learner", args.log_level)
     try:
         security = security_from_args(args, "learner")
@@ -64,6 +78,8 @@ def main(args: argparse.Namespace) -> int:
             inner_steps=args.inner_steps,
             metrics_port=args.metrics_port,
             security=security,
+            ranks=args.nproc_per_learner,
+            threads=args.threads,
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())

@@ -22,14 +22,20 @@ arrives; the unsent work is then zero, so it restarts exactly from G.
 
 Where a restarted learner resumes
 ---------------------------------
-Its shard is read in a fixed order (``ShardSampler``). On start it asks the outer optimizer
-how many of this learner id's tokens were accepted durably and resumes at that batch, so
-work that was acknowledged is not trained again, and at most the one window that was in
-flight when it died (never acknowledged) is trained again.
+Its shard is read in a fixed order (the workload's ``train_batches``: batch k of a shard is
+always the same). On start it asks the outer optimizer how many of this learner id's tokens
+were accepted durably, counts how many whole batches of its shard those tokens are (the
+batches' weights, read again from the start) and resumes at the next one, so work that
+was acknowledged is not trained again, and at most the one window that was in flight when
+it died (never acknowledged) is trained again.
+
+What it trains is the run's workload (``ddiloco.workloads``): the model, the batches, the
+loss and what each batch weighs come from it; nothing here knows what a batch holds.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import pathlib
 import threading
@@ -42,18 +48,20 @@ import torch
 from ddiloco.common import auth
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
-from ddiloco.common.data import ShardSampler, load_corpus
 from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.model import build_model
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.security import Security
 from ddiloco.common.transport import OuterClient
+from ddiloco.learner.group import Group, Solo, strided
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
+from ddiloco.workloads import WorkloadError
+from ddiloco.workloads import load as load_workload
+from ddiloco.workloads.checked import to_device
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,8 @@ class LearnerOptions:
     slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
+    ranks: int = 1  # processes of this learner's torch.distributed group (ddiloco.learner.group)
+    threads: int = 1  # torch CPU threads of each of the group's other ranks
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     security: Security = field(default_factory=Security.insecure)
 
@@ -104,6 +114,7 @@ class Learner:
         self.learner_id = -1
         self.drain = threading.Event()
         self.stop_event = threading.Event()
+        self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
         self.outer_address = ""
@@ -155,6 +166,17 @@ class Learner:
         self.puller.start(self.supervisor)
         try:
             self._train()
+        except WorkloadError as exc:
+            # e.g. a non-finite loss: the window it fell in is never sent; what was queued
+            # before it is flushed, and the process exits non-zero with the workload's error
+            log.error("%s", exc)
+            self.supervisor.fail("workload", str(exc))
+        except RuntimeError as exc:
+            if self.group.size == 1:
+                raise
+            # a collective failed: a rank of this learner's group is gone; the learner fails
+            # as a unit (its other ranks are ended by _finish) and a restart resumes it
+            self.supervisor.fail("group", f"{type(exc).__name__}: {exc}")
         finally:
             self._finish()
         return self.supervisor.exit_code()
@@ -171,6 +193,7 @@ class Learner:
             datacenter=self.options.datacenter,
             requested_learner_id=self.options.learner_id if self.learner_id < 0 else self.learner_id,
             device=str(self.device),
+            ranks=self.options.ranks,
         )
         resp = self._register_call(req)
         self.run_id = resp.run_id
@@ -190,8 +213,6 @@ class Learner:
         the process with the coordinator's message, no traceback."""
         import secrets
 
-        from ddiloco.coordinator.signature import model_signature
-
         if not getattr(self, "instance_token", ""):
             self.instance_token = secrets.token_hex(16)
         first = not self.run_id
@@ -201,7 +222,7 @@ class Learner:
         )
         run_config = RunConfig.from_json(run.config_json)
         req.instance_token = self.instance_token
-        req.model.CopyFrom(model_signature(run_config))
+        req.model.CopyFrom(self._signature(run_config))
         lease_wait_until = None
         while True:
             try:
@@ -225,6 +246,34 @@ class Learner:
                     raise SystemExit(f"learner refused by the coordinator ({code.name}): {exc.details()}") from None
                 raise
 
+    def _signature(self, run_config: RunConfig) -> coordinator_pb2.ModelSignature:
+        """The signature of the model this learner trains, built from the run's workload once
+        per process (the model is kept for ``_setup``). A workload that cannot be loaded or
+        built ends the process with its error before it joins."""
+        from ddiloco.coordinator.signature import signature_of_model
+
+        if getattr(self, "signature", None) is None:
+            try:
+                self.run_workload = load_workload(run_config)
+                if self.options.batch_size and self.options.batch_size != run_config.learner.batch_size:
+                    # this learner's batches are of its own size; the run's step weight
+                    # (the work clock's round) stays the run's workload's
+                    mine = copy.deepcopy(run_config)
+                    mine.learner.batch_size = self.options.batch_size
+                    self.workload = load_workload(mine)
+                else:
+                    self.workload = self.run_workload
+                self.initial_model = self.workload.build_model()
+                # the data too, before joining: a registered learner sets up in moments
+                # (its status endpoint answers SERVING soon after its address is known)
+                self.run_workload.reference_weight()
+            except Exception as exc:  # WorkloadError, or the workload's own code failing
+                log.error("workload %r: %s: %s", run_config.workload.name, type(exc).__name__, exc)
+                self.server.stop(grace=0)
+                raise SystemExit(f"learner cannot train the run's workload {run_config.workload.name!r}: {exc}") from None
+            self.signature = signature_of_model(self.initial_model)
+        return self.signature
+
     def _set_outer(self, address: str) -> None:
         with self._client_lock:
             if address and address != self.outer_address:
@@ -247,14 +296,9 @@ class Learner:
             self.metrics = MetricsLog(self.options.run_dir / "metrics.jsonl", f"learner-{self.learner_id}")
             if self.exporter is not None:
                 self.metrics.observers.append(self.exporter.observe)
-        self.batch_size = self.options.batch_size or lcfg.batch_size
         self.inner_steps = self.options.inner_steps or lcfg.inner_steps
-        self.tokens_per_step = self.batch_size * cfg.model.context
-        corpus = load_corpus(cfg.data, cfg.learners)
-        self.sampler = ShardSampler(
-            corpus.shards[self.shard_index], cfg.model.context, self.batch_size, seed=cfg.data.seed + self.shard_index
-        )
-        self.model = build_model(cfg.model, cfg.seed).to(self.device)
+        workload = self.workload
+        self.model = self.initial_model.to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.names = [n for n, _ in self.model.named_parameters()]
         self.optimizer = torch.optim.AdamW(
@@ -262,17 +306,26 @@ class Learner:
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
         self.puller = Puller(
-            self.client, self.learner_id, cfg.fragments, cfg.round_tokens(), lcfg.pull_poll_s, self.stats, self.metrics
+            self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
+            self.stats, self.metrics,
         )
         status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
-        self.batch_index = (mine.tokens_accepted // self.tokens_per_step) if mine else 0
+        shard = (self.shard_index, cfg.learners, cfg.data.seed)
+        self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
+        # a group of R ranks reads R consecutive batches per step, this process the first
+        self.batches = strided(workload.train_batches(*shard, self.batch_index), self.options.ranks)
         first_seq = (mine.last_seq + 1) if mine else 1
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
         for f, copy in enumerate(copies):
             self._fold(f, copy)
+        if self.options.ranks > 1:
+            self.group = Group(self.options.ranks, self.device, self.options.threads)
+            setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
+                     "batch_size": self.options.batch_size}
+            self.group.share_setup(setup, self.params, self.fragments)
         self.model.train()
         self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq, self.learner_id)
         self.metrics.event(
@@ -307,6 +360,7 @@ class Learner:
         # per fragment: steps, summed loss and compute seconds since its last upload, and
         # the step at which its current window ends
         win_steps = [0] * nfrag
+        win_tokens = [0] * nfrag
         win_loss = [0.0] * nfrag
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
@@ -314,11 +368,13 @@ class Learner:
         step = 0
         step_wall: float | None = None  # running mean of wall seconds per step
         extended = [False] * nfrag  # the current window was already lengthened (alignment)
+        resend: set[int] = set()  # fragments the group's other ranks must receive again
         last = time.perf_counter()
         while not self.drain.is_set():
             for f, copy in self.puller.take().items():
                 if copy.version > self.versions[f]:
                     self._fold(f, copy)
+                    resend.add(f)
                 if lcfg.align_windows and not lcfg.sync and copy.lead_s > 0 and step_wall and not extended[f]:
                     # phase alignment: this learner's last delta of fragment f waited lead_s
                     # for the last peer of its merge. End the window in progress later by
@@ -333,16 +389,24 @@ class Learner:
             t0 = time.perf_counter()
             step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
             last = t0
-            x, y = self.sampler.batch(self.batch_index)
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            self.group.before_step(resend)
+            resend.clear()
+            batch = to_device(next(self.batches), self.device)
+            weight = self.workload.batch_weight(batch)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr(step)
-            _, loss = self.model(x, y)
+            loss = self.workload.loss(self.model, batch)
+            # read before the update: a non-finite loss stops the learner before it reaches
+            # the parameters, and the window it belongs to is never sent
+            loss_value = self.workload.check_finite(float(loss.detach()), f"at batch {self.batch_index} of shard {self.shard_index}")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            # the group's mean gradient, loss and summed weight (one process: these as they are)
+            loss_value, weight = self.group.average(self.params, loss_value, weight)
             torch.nn.utils.clip_grad_norm_(self.params, lcfg.grad_clip)
             self.optimizer.step()
-            loss_value = float(loss.detach())  # also synchronises CUDA, so the timing below is honest
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # so that the timing below is honest
             dt = time.perf_counter() - t0
             if self.options.slowdown > 1:
                 # emulated slower hardware: the extra time counts as compute, as it would there
@@ -356,27 +420,30 @@ class Learner:
                 self.metrics.event("step_stalled", learner=self.learner_id, seconds=round(dt, 3))
                 dt = self.config.lease_timeout_s
             step += 1
-            self.batch_index += 1
-            self.stats.add(tokens=self.tokens_per_step, inner_steps=1, compute_seconds=dt)
+            self.batch_index += self.group.size
+            self.stats.add(tokens=weight, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             for f in range(nfrag):
                 win_steps[f] += 1
+                win_tokens[f] += weight
                 win_loss[f] += loss_value
                 win_compute[f] += dt
                 if step >= next_due[f]:
-                    self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
-                    win_steps[f], win_loss[f], win_compute[f] = 0, 0.0, 0.0
+                    self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
+                    win_steps[f], win_tokens[f], win_loss[f], win_compute[f] = 0, 0, 0.0, 0.0
                     next_due[f] = step + self.inner_steps
                     extended[f] = False
+                    resend.add(f)  # bounds any drift between the group's replicas to one window
                     if lcfg.sync:
                         self._wait_for_merge()
+        self.group.stop()
         for f in range(nfrag):
             if win_steps[f]:
-                self._end_window(f, win_steps[f], win_loss[f] / win_steps[f], win_compute[f])
+                self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
         self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
-    def _end_window(self, fragment: int, steps: int, mean_loss: float, compute_seconds: float) -> None:
+    def _end_window(self, fragment: int, steps: int, tokens: int, mean_loss: float, compute_seconds: float) -> None:
         ids = self.fragments[fragment]
         # on a GPU the delta stays there: the codec quantizes it in place and only the codes
         # and scales (a quarter or an eighth of the bytes) cross to the host
@@ -386,7 +453,7 @@ class Learner:
         for i in ids:
             self.anchor[i].copy_(self.params[i])
         self.uploader.submit(
-            Window(arrays, self.versions[fragment], steps * self.tokens_per_step, steps, mean_loss, compute_seconds, fragment)
+            Window(arrays, self.versions[fragment], tokens, steps, mean_loss, compute_seconds, fragment)
         )
         self.metrics.event(
             "window", learner=self.learner_id, fragment=fragment, steps=steps, loss=round(mean_loss, 5),
@@ -457,6 +524,7 @@ class Learner:
 
     def _finish(self) -> None:
         self.phase = "draining"
+        self.group.close()  # after a failure: the other ranks go down with this one
         # after a failure too: a failed puller leaves the uploader able to flush (returns at
         # once if the uploader itself is gone; its unacknowledged work is trained again)
         flushed = self.uploader.flush(timeout=self.config.drain_timeout_s / 2)

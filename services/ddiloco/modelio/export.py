@@ -18,7 +18,7 @@ import sys
 from safetensors.torch import save
 
 from ddiloco.common.durable import StorageError, write_bytes
-from ddiloco.modelio.source import META_MODEL, META_RUN, META_VERSION, SourceError, load
+from ddiloco.modelio.source import META_CONFIG, META_MODEL, META_RUN, META_VERSION, SourceError, load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,12 @@ def export(source: pathlib.Path, out: pathlib.Path, version: int | None = None) 
     model = g.to_model()
     # clone: the tied head shares its storage with the embedding, which safetensors refuses
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    meta = {META_MODEL: json.dumps(dataclasses.asdict(g.model_config)), META_VERSION: str(g.version), META_RUN: g.run_id}
+    meta = {
+        META_MODEL: json.dumps(dataclasses.asdict(g.model_config)),
+        META_CONFIG: g.run_config.to_json(),  # the workload (and its options) that builds the model
+        META_VERSION: str(g.version),
+        META_RUN: g.run_id,
+    }
     blob = save(tensors, metadata=meta)
     write_bytes(out, blob)  # atomic: a crash leaves the old file or the new one, never half
     return {"version": g.version, "run_id": g.run_id, "tensors": len(tensors), "bytes": len(blob), "from": g.origin}

@@ -65,6 +65,10 @@ def main(args: argparse.Namespace) -> int:
     except SourceError as exc:
         print(f"ddiloco generate: error: {exc}", file=sys.stderr)
         return 2
+    if not isinstance(model, GPT):  # sampling bytes is what the built-in workload's model does
+        print(f"ddiloco generate: error: {args.source} holds a {type(model).__name__} of another workload; "
+              "generate samples the built-in byte-level GPT only", file=sys.stderr)
+        return 2
     text = sample(model, args.prompt.encode(), args.bytes, args.temperature, args.top_k, args.seed)
     sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
     return 0

@@ -5,6 +5,9 @@ Everything here only reads. A run folder's checkpoints are found under
 configuration in ``RUN/config.json``. Deltas merged after the newest checkpoint live in the
 outer optimizer's journal and are not part of what is read (a finished run's last
 checkpoint holds its final version).
+
+The model a source holds is the run's workload's (``ddiloco.workloads``): its parameters
+are whatever that workload's ``model()`` lists, under the same names.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ddiloco.common.config import ModelConfig, RunConfig
-from ddiloco.common.model import GPT, build_model
 from ddiloco.outer.checkpoint import LATEST, Incomplete, folder_key, read_folder
 
 PARAM, MOMENTUM = "param/", "momentum/"
-META_MODEL = "ddiloco.model_config"  # export metadata: the ModelConfig as JSON
+META_MODEL = "ddiloco.model_config"  # export metadata: the built-in model's ModelConfig as JSON
+META_CONFIG = "ddiloco.run_config"  # export metadata: the whole RunConfig (its workload) as JSON
 META_VERSION = "ddiloco.version"
 META_RUN = "ddiloco.run_id"
 
@@ -33,7 +36,7 @@ class SourceError(Exception):
 
 @dataclass
 class GlobalModel:
-    model_config: ModelConfig
+    run_config: RunConfig  # the run's configuration: its workload builds the model
     params: dict[str, torch.Tensor]  # parameter name (as named_parameters) -> tensor
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)
     state: dict = field(default_factory=dict)  # the checkpoint's state.json ({} for an export)
@@ -41,9 +44,13 @@ class GlobalModel:
     run_id: str = ""
     origin: str = ""  # what was read, for messages
 
-    def to_model(self) -> GPT:
-        """A fresh model of this configuration holding these parameters."""
-        model = build_model(self.model_config, seed=0)
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.run_config.model
+
+    def to_model(self) -> torch.nn.Module:
+        """A fresh model of the run's workload holding these parameters."""
+        model = _build(self.run_config, self.origin)
         named = dict(model.named_parameters())
         if set(named) != set(self.params):
             raise SourceError(
@@ -59,10 +66,19 @@ class GlobalModel:
         return model
 
 
-def check_matches(g: GlobalModel, model_config: ModelConfig) -> None:
+def _build(cfg: RunConfig, origin: str) -> torch.nn.Module:
+    from ddiloco.workloads import WorkloadError, load
+
+    try:
+        return load(cfg).build_model()
+    except WorkloadError as exc:
+        raise SourceError(f"{origin}: {exc}") from exc
+
+
+def check_matches(g: GlobalModel, cfg: RunConfig) -> None:
     """Raise ``SourceError`` unless ``g`` holds exactly the parameters, with the same
-    shapes, that ``model_config`` builds (a warm start must fit the run's model)."""
-    want = {n: tuple(p.shape) for n, p in build_model(model_config, seed=0).named_parameters()}
+    shapes, that the run's workload builds (a warm start must fit the run's model)."""
+    want = {n: tuple(p.shape) for n, p in _build(cfg, "the run's workload").named_parameters()}
     have = {n: tuple(t.shape) for n, t in g.params.items()}
     if want != have:
         diff = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
@@ -121,7 +137,7 @@ def _load_checkpoint(folder: pathlib.Path, cfg: RunConfig) -> GlobalModel:
         raise SourceError(f"checkpoint {folder}: {exc}") from exc
     params = {k[len(PARAM):]: v for k, v in tensors.items() if k.startswith(PARAM)}
     momentum = {k[len(MOMENTUM):]: v for k, v in tensors.items() if k.startswith(MOMENTUM)}
-    return GlobalModel(cfg.model, params, momentum, state, int(state["version"]), str(state.get("run_id", "")), str(folder))
+    return GlobalModel(cfg, params, momentum, state, int(state["version"]), str(state.get("run_id", "")), str(folder))
 
 
 def _load_export(path: pathlib.Path) -> GlobalModel:
@@ -131,14 +147,20 @@ def _load_export(path: pathlib.Path) -> GlobalModel:
         tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types for a bad file
         raise SourceError(f"{path}: not a safetensors file: {exc}") from exc
-    if META_MODEL not in meta:
-        raise SourceError(f"{path}: no {META_MODEL} metadata (not written by `ddiloco export`)")
-    try:
-        model_config = ModelConfig(**json.loads(meta[META_MODEL]))
-    except (ValueError, TypeError) as exc:
-        raise SourceError(f"{path}: bad {META_MODEL} metadata: {exc}") from exc
+    if META_CONFIG in meta:
+        try:
+            cfg = RunConfig.from_json(meta[META_CONFIG])
+        except (ValueError, TypeError) as exc:
+            raise SourceError(f"{path}: bad {META_CONFIG} metadata: {exc}") from exc
+    elif META_MODEL in meta:  # written before workloads: the built-in model of this configuration
+        try:
+            cfg = RunConfig(model=ModelConfig(**json.loads(meta[META_MODEL])))
+        except (ValueError, TypeError) as exc:
+            raise SourceError(f"{path}: bad {META_MODEL} metadata: {exc}") from exc
+    else:
+        raise SourceError(f"{path}: no {META_CONFIG} metadata (not written by `ddiloco export`)")
     # an export holds the state dict: tied tensors appear under every name; keep the
     # parameter names (as named_parameters lists them)
-    names = {n for n, _ in build_model(model_config, seed=0).named_parameters()}
+    names = {n for n, _ in _build(cfg, str(path)).named_parameters()}
     params = {k: v for k, v in tensors.items() if k in names}
-    return GlobalModel(model_config, params, {}, {}, int(meta.get(META_VERSION, -1)), meta.get(META_RUN, ""), str(path))
+    return GlobalModel(cfg, params, {}, {}, int(meta.get(META_VERSION, -1)), meta.get(META_RUN, ""), str(path))

@@ -11,10 +11,13 @@ Bounds and why
 * ``inner_steps``: at least 1, at most ``max_coalesce_windows x H``: the learner's uploader
   never sums more windows than that into one delta (it waits instead, see
   ``learner/uploader.py``).
-* ``tokens``: exactly ``inner_steps x batch x context`` for a whole batch ``1 <= batch <=
-  MAX_BATCH_FACTOR x`` the run's batch. Learners may run another batch size than the run's
-  (a bigger site, or an emulated one), but a batch 16x the run's is no longer the same
-  recipe; more would let one learner claim the merge's weight and everyone's staleness.
+* ``tokens``: the summed ``batch_weight`` of the delta's batches, at least 1 per step and at
+  most ``MAX_BATCH_FACTOR x`` the run's step weight per step (the workload's
+  ``reference_weight``: ``batch x context`` for the built-in model). Batches of a workload
+  may weigh differently (sequences of several lengths), so the sum is not checked against
+  one batch size. Learners may run another batch size than the run's (a bigger site, or an
+  emulated one), but a batch 16x the run's is no longer the same recipe; more would let one
+  learner claim the merge's weight and everyone's staleness.
 * ``seq``: above the last accepted one (else ALREADY_EXISTS), by at most ``MAX_SEQ_JUMP``.
 * ``compute_seconds``: finite, non-negative, at most a lease per step: a step slower than a
   lease would get the learner declared dead before it finished.
@@ -40,8 +43,9 @@ MAX_BATCH_FACTOR = 16
 MAX_SEQ_JUMP = 1024
 
 
-def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float) -> None:
-    """Refuse a header whose work figures no learner of this run could produce."""
+def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float, step_weight: int) -> None:
+    """Refuse a header whose work figures no learner of this run could produce;
+    ``step_weight``: the run's workload's ``reference_weight()``."""
     h = config.learner.inner_steps
     max_steps = config.learner.max_coalesce_windows * h
     if not 1 <= inner_steps <= max_steps:
@@ -50,13 +54,12 @@ def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds
             f"inner_steps={inner_steps} is outside [1, {max_steps}] "
             f"(H={h} x at most {config.learner.max_coalesce_windows} coalesced windows)",
         )
-    context = config.model.context
-    per_step, rest = divmod(tokens, inner_steps * context) if tokens > 0 else (0, 1)
-    max_batch = MAX_BATCH_FACTOR * config.learner.batch_size
-    if rest or not 1 <= per_step <= max_batch:
+    max_per_step = MAX_BATCH_FACTOR * step_weight
+    if not inner_steps <= tokens <= inner_steps * max_per_step:
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"tokens={tokens} is not inner_steps ({inner_steps}) x context ({context}) x a batch in [1, {max_batch}]",
+            f"tokens={tokens} is not inner_steps ({inner_steps}) x a batch weight in [1, {max_per_step}] "
+            f"({MAX_BATCH_FACTOR} x the run's step weight {step_weight})",
         )
     if not (math.isfinite(compute_seconds) and 0 <= compute_seconds <= inner_steps * config.lease_timeout_s):
         raise Refused(

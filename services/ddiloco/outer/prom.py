@@ -71,7 +71,8 @@ class OuterMetrics:
             self.step_norm.labels(str(f["fragment"])).set(f["step_norm"])
         elif kind in ("eval", "finalize"):
             self.eval_loss.set(f["eval_loss"])
-            self.eval_accuracy.set(f["eval_accuracy"])
+            if f.get("eval_accuracy") is not None:  # null: the workload has no metric
+                self.eval_accuracy.set(f["eval_accuracy"])
             self.eval_version.set(f["version"])
         elif kind == "checkpoint":
             self.checkpoint_s.observe(f["seconds"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import pathlib
 import threading
 import time
@@ -15,10 +16,8 @@ import torch
 
 from ddiloco.common import auth
 from ddiloco.common.config import RunConfig
-from ddiloco.common.data import eval_windows, load_corpus
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.model import build_model, evaluate
 from ddiloco.common.ratelimit import RateLimited, RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.security import Security
@@ -27,6 +26,7 @@ from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.timing import SyncTiming
+from ddiloco.workloads.evaluate import evaluate
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -133,14 +133,16 @@ class KnownLearners:
 
 
 class Evaluator:
-    """Evaluates the global parameters on the held-out windows, off the merge path."""
+    """Evaluates the global parameters on the workload's held-out batches, off the merge
+    path. A workload without a metric reports its accuracy as NaN on the wire (a proto
+    double has no "absent") and as null in events and reports."""
 
     def __init__(self, config: RunConfig, state: OuterState, metrics: MetricsLog) -> None:
         self.state = state
         self.metrics = metrics
-        corpus = load_corpus(config.data, config.learners)
-        self.windows = eval_windows(corpus.eval_bytes, config.model.context, config.data.eval_windows)
-        self.model = build_model(config.model, config.seed)
+        self.workload = state.workload
+        self.batches = self.workload.eval_batches()  # fixed: read once
+        self.model = self.workload.build_model()
         self.lock = threading.Lock()
         self.initial: tuple[float, float] | None = None
         self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
@@ -153,11 +155,14 @@ class Evaluator:
             with torch.no_grad():
                 for p, (_, a) in zip(self.model.parameters(), arrays):
                     p.copy_(torch.from_numpy(a))
-            loss, acc = evaluate(self.model, self.windows)
+            loss, metric = evaluate(self.workload, self.model, self.batches)
+            acc = math.nan if metric is None else metric
             self.last = (version, loss, acc)
             if self.initial is None:
                 self.initial = (loss, acc)
-            self.metrics.event("eval", version=version, eval_loss=round(loss, 5), eval_accuracy=round(acc, 5))
+            self.metrics.event(
+                "eval", version=version, eval_loss=round(loss, 5), eval_accuracy=None if metric is None else round(metric, 5)
+            )
             return self.last
 
 
@@ -417,7 +422,9 @@ class OuterService:
             self.state.checkpoint()
             self._final = outer_pb2.FinalizeResponse(status=self.status(), final_eval_loss=loss, final_eval_accuracy=acc)
             self.finalized.set()
-            self.metrics.event("finalize", version=self.state.version, eval_loss=loss, eval_accuracy=acc)
+            self.metrics.event(
+                "finalize", version=self.state.version, eval_loss=loss, eval_accuracy=None if math.isnan(acc) else acc
+            )
             return self._final
 
     # ------------------------------------------------------------------ loops

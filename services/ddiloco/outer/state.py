@@ -42,7 +42,6 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError, write_json
 from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.model import build_model, is_embedding
 from ddiloco.common.wire import Refused, decode_payload
 from ddiloco.outer import admission
 from ddiloco.v1 import outer_pb2
@@ -121,18 +120,25 @@ CLOSED_MESSAGE = "the run is finalized: no delta is acknowledged or merged any m
 
 
 class OuterState:
-    def __init__(self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None, workload=None
+    ) -> None:
+        """``workload``: the run's, loaded (default: loaded here from ``config``)."""
+        from ddiloco.workloads import load
+
         self.config = config
         self.metrics = metrics or MetricsLog(None, "outer")
         self.clock = time.monotonic  # arrival times (phase alignment); injectable for tests
         self.state_dir = state_dir
-        model = build_model(config.model, config.seed)
+        self.workload = workload if workload is not None else load(config)
+        model = self.workload.build_model()
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
-        self.params = [p.detach().clone() for _, p in named]
+        self.params = [p.detach().float().clone() for _, p in named]
         if config.init_from:
             self._warm_start(pathlib.Path(config.init_from))
-        self.plain_average = [is_embedding(n) for n in self.names]
+        embeddings = self.workload.embedding_names(model)
+        self.plain_average = [n in embeddings for n in self.names]
         ocfg = config.outer
         self.fragments = [
             Fragment(i, ids, merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov))
@@ -160,7 +166,7 @@ class OuterState:
         from ddiloco.modelio.source import check_matches, load
 
         source = load(path)
-        check_matches(source, self.config.model)  # also checked by the CLI before anything starts
+        check_matches(source, self.config)  # also checked by the CLI before anything starts
         self.params = [source.params[n].detach().clone().float() for n in self.names]
         self.metrics.event("warm_start", path=str(path), version=source.version, run_id=source.run_id)
 
@@ -187,7 +193,7 @@ class OuterState:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"fragment {header.fragment} does not exist; this run has {len(self.fragments)}"
             )
-        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds)
+        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.reference_weight())
         frag = self.fragments[header.fragment]
         with self._learner_lock(header.learner_id):
             with self.lock:
@@ -269,7 +275,7 @@ class OuterState:
         own_now = rec.tokens_merged.get(frag.index, 0) if rec else 0
         own_then = frag.own_at_version.get(base_version, {}).get(learner_id, 0)
         others = (frag.tokens_merged - frag.tokens_at_version[base_version]) - (own_now - own_then)
-        return merge.staleness_rounds(others, 0, self.config.round_tokens())
+        return merge.staleness_rounds(others, 0, self.workload.round_tokens())
 
     def _discount(self, frag: Fragment, base_version: int, learner_id: int) -> float | None:
         if base_version not in frag.tokens_at_version:
@@ -363,7 +369,7 @@ class OuterState:
                 kept.append(p)
             if kept:
                 weights = merge.token_weights(infos)
-                fraction = merge.work_fraction(infos, self.config.round_tokens()) if self.config.outer.work_clock else 1.0
+                fraction = merge.work_fraction(infos, self.workload.round_tokens()) if self.config.outer.work_clock else 1.0
                 mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
                 try:
                     self._journal_merge(frag, kept, weights, fraction, mean_staleness)  # durable before it is applied
@@ -483,7 +489,7 @@ class OuterState:
 
     def _prune_versions(self, frag: Fragment) -> None:
         # keep versions while a delta based on them could still be accepted
-        bound = (self.config.outer.max_staleness_rounds + 1) * self.config.round_tokens()
+        bound = (self.config.outer.max_staleness_rounds + 1) * self.workload.round_tokens()
         for v in [v for v, t in frag.tokens_at_version.items() if frag.tokens_merged - t > bound and v != frag.version]:
             del frag.tokens_at_version[v]
             frag.own_at_version.pop(v, None)

@@ -16,7 +16,9 @@ def markdown(name: str, report: dict | None, series: RunSeries, goodput: dict | 
         first, last = series.evals[0], series.evals[-1]
         lines.append(f"| eval loss | {first[3]:.4f} -> {last[3]:.4f} (version {last[1]}, {last[0]:.0f} s) |")
     if report is not None:
-        lines.append(f"| final eval loss, accuracy | {report['final_eval_loss']:.4f}, {report['final_eval_accuracy']:.2%} |")
+        acc = report.get("final_eval_accuracy")
+        shown = "none (the workload has no metric)" if acc is None else f"{acc:.2%}"
+        lines.append(f"| final eval loss, accuracy | {report['final_eval_loss']:.4f}, {shown} |")
         lines.append(f"| tokens trained / merged | {report['tokens_trained']:,} / {report.get('tokens_merged', 0):,} |")
         lines.append(f"| wall seconds | {report['wall_seconds']:.1f} |")
     # the report's count also covers merges replayed after an outer-optimizer restart

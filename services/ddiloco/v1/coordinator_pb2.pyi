@@ -22,13 +22,14 @@ RUN_STATE_DRAINING: RunState
 RUN_STATE_FINISHED: RunState
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("run_id", "address", "datacenter", "requested_learner_id", "device", "instance_token", "model")
+    __slots__ = ("run_id", "address", "datacenter", "requested_learner_id", "device", "instance_token", "ranks", "model")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DATACENTER_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     address: str
@@ -36,18 +37,21 @@ class RegisterRequest(_message.Message):
     requested_learner_id: int
     device: str
     instance_token: str
+    ranks: int
     model: ModelSignature
-    def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., requested_learner_id: _Optional[int] = ..., device: _Optional[str] = ..., instance_token: _Optional[str] = ..., model: _Optional[_Union[ModelSignature, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., requested_learner_id: _Optional[int] = ..., device: _Optional[str] = ..., instance_token: _Optional[str] = ..., ranks: _Optional[int] = ..., model: _Optional[_Union[ModelSignature, _Mapping]] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
-    __slots__ = ("tensors", "parameters", "sha256")
+    __slots__ = ("tensors", "parameters", "sha256", "values_sha256")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    VALUES_SHA256_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
     parameters: int
     sha256: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    values_sha256: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ..., values_sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms")

@@ -1,0 +1,126 @@
+"""What a ddiloco learner costs over a plain PyTorch training loop of the same model.
+
+One invocation measures, on the same machine, the same device and the same thread count:
+
+* ``plain``: the run's workload trained by a bare loop (its model, its batches of shard 0,
+  AdamW with the learner's settings, clipping), no ddiloco anywhere: tokens per second of
+  the loop after a warm-up.
+* ``learner``: ``ddiloco run`` with one learner (coordinator and outer optimizer beside it,
+  uploads, pulls and folds in the background, as in any run): the learner's tokens per
+  second over its training wall time (``report.json``: tokens / wall_seconds).
+
+The plain loop runs before and after the learner and its mean is the reference, so a drift
+of the machine during the bench does not land on one side. The ratio learner / plain is the
+result; the target is at least 0.95 (the background work must be nearly free).
+
+    python bench/learner_overhead.py            # bytegpt small, 60 s of training each
+    python bench/learner_overhead.py --quick    # the CI smoke form: tiny, seconds
+
+Writes ``bench/results/learner_overhead.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import common_bench as cb  # noqa: E402
+
+ROOT = cb.ROOT
+TARGET = 0.95
+
+
+def plain_tokens_per_second(flags: list[str], seconds: float, warmup_steps: int) -> dict:
+    """The bare loop: tokens per second over ``seconds`` after ``warmup_steps`` steps."""
+    import argparse as ap
+
+    import torch
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+    from ddiloco.workloads import load
+
+    torch.set_num_threads(1)  # as a learner runs (--threads 1)
+    parser = ap.ArgumentParser()
+    add_run_flags(parser)
+    cfg = run_config_from_args(parser.parse_args(flags))
+    workload = load(cfg)
+    model = workload.build_model()
+    model.train()
+    params = list(model.parameters())
+    lc = cfg.learner
+    opt = torch.optim.AdamW(params, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.95))
+    batches = workload.train_batches(0, cfg.learners, cfg.data.seed, 0)
+    tokens = steps = 0
+    t0 = None
+    while True:
+        if steps == warmup_steps:
+            t0, tokens = time.perf_counter(), 0
+        if t0 is not None and time.perf_counter() - t0 >= seconds:
+            break
+        batch = next(batches)
+        tokens += workload.batch_weight(batch)
+        for g in opt.param_groups:
+            g["lr"] = lc.lr * min(1.0, (steps + 1) / max(lc.warmup_steps, 1))
+        loss = workload.loss(model, batch)
+        float(loss.detach())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, lc.grad_clip)
+        opt.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": round(wall, 3), "tokens_per_second": tokens / wall}
+
+
+def learner_tokens_per_second(flags: list[str], seconds: float, work: pathlib.Path) -> dict:
+    report = cb.run_ddiloco(work / "run", flags + ["--max-seconds", str(seconds)], learners=1)
+    lr = report["learners"][0]
+    return {"tokens": lr["tokens"], "seconds": lr["wall_seconds"], "tokens_per_second": lr["tokens"] / lr["wall_seconds"],
+            "deltas_merged": lr["deltas_merged"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI smoke: the tiny model, a few seconds each")
+    parser.add_argument("--seconds", type=float, default=60.0, help="training seconds of each measurement")
+    parser.add_argument("--allow-dirty", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "learner_overhead.json")
+    args = parser.parse_args()
+    prov = cb.start_provenance(args.allow_dirty or args.quick, "learner_overhead")
+    seconds = 6.0 if args.quick else args.seconds
+    model = "tiny" if args.quick else "small"
+    flags = ["--model", model, "--learners", "1", "--inner-steps", "20", "--eval-interval", "30"]
+    work = pathlib.Path(tempfile.mkdtemp(prefix="ddiloco-overhead-"))
+    try:
+        before = plain_tokens_per_second(flags, seconds / 2, warmup_steps=5)
+        learner = learner_tokens_per_second(flags, seconds, work)
+        after = plain_tokens_per_second(flags, seconds / 2, warmup_steps=5)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    plain = (before["tokens_per_second"] + after["tokens_per_second"]) / 2
+    ratio = learner["tokens_per_second"] / plain
+    result = {
+        "config": {"flags": flags, "seconds": seconds, "quick": args.quick, "threads": 1, "device": "cpu"},
+        "plain_before": before, "learner": learner, "plain_after": after,
+        "plain_tokens_per_second": plain, "ratio": ratio, "target": TARGET, "met": ratio >= TARGET,
+        "provenance": cb.finish_provenance(prov),
+    }
+    print("| measurement | tokens/s |\n|---|---|")
+    print(f"| plain loop (before, after) | {before['tokens_per_second']:,.0f}, {after['tokens_per_second']:,.0f} |")
+    print(f"| ddiloco learner | {learner['tokens_per_second']:,.0f} |")
+    print(f"| ratio (target >= {TARGET}) | {ratio:.3f} ({'met' if ratio >= TARGET else 'missed'}) |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

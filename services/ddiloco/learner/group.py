@@ -1,0 +1,191 @@
+"""A learner that is a torch.distributed group: R ranks, data-parallel inside one datacenter.
+
+In the paper each learner is a datacenter's worth of accelerators running ordinary
+data-parallel training; only the learners talk over the WAN. Here the learner process is
+rank 0 of a group of R (``ddiloco learner --nproc-per-learner R``); it starts ranks 1..R-1
+as child processes (``ddiloco.learner.rank``) on this host, rendezvous on the loopback
+interface (never across the WAN), gloo on CPU, NCCL on GPU.
+
+Rank 0 alone speaks gRPC: it registers, pulls, folds and uploads exactly as a one-process
+learner does. The other ranks hold the same replica: every step, rank 0 broadcasts a small
+control tensor (stop, and which fragments to re-send), then the parameters of the fragments
+it folded a new global version into (or ended a window of: a re-send there bounds any drift
+between replicas to one window); every rank trains on its own batch, gradients are averaged
+over the group (an all-reduce, as DistributedDataParallel does; done by hand so that any
+workload's module works unwrapped) and every rank takes the same AdamW step.
+
+Data: the group consumes R consecutive batches of the learner's shard per step, rank r the
+r-th, so a group step weighs the sum of its R batches and resumption (a count of whole
+batches) stays exact.
+
+Faults: a rank that dies fails the next collective on every other rank, so rank 0 fails and
+exits non-zero, taking its children down (and they watch their parent too): the learner
+fails as a unit and, restarted, resumes like any other.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# collectives wait this long for a peer: rank 0 may block between steps (a synchronous
+# learner waiting for its merge, an outer optimizer down) for as long as the run allows
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+
+def strided(batches: Iterator[Any], every: int) -> Iterator[Any]:
+    """Every ``every``-th batch of ``batches`` from the first: rank r of R reads batches
+    start + r, start + r + R, ... of its learner's shard."""
+    while True:
+        batch = next(batches)
+        yield batch
+        for _ in range(every - 1):
+            next(batches)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def local_only(backend: str) -> None:
+    """Gloo picks its interface from the host name, which may resolve to an address of the
+    WAN side; the group's traffic stays on the loopback interface instead."""
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Solo:
+    """A learner of one process: every group operation is nothing."""
+
+    size = 1
+
+    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]]) -> None:
+        pass
+
+    def before_step(self, resend: set[int]) -> None:
+        pass
+
+    def average(self, params: list[torch.Tensor], loss: float, weight: int) -> tuple[float, int]:
+        return loss, weight
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Group:
+    """Rank 0's side of a learner group of ``size`` ranks."""
+
+    def __init__(self, size: int, device: torch.device, threads: int) -> None:
+        self.size = size
+        self.device = device
+        self.backend = backend_for(device)
+        local_only(self.backend)
+        port = free_port()
+        init = f"tcp://127.0.0.1:{port}"
+        self.children = [
+            subprocess.Popen([sys.executable, "-m", "ddiloco.learner.rank", "--rank", str(r), "--world", str(size),
+                              "--init", init, "--device", device.type, "--threads", str(threads)])
+            for r in range(1, size)
+        ]
+        dist.init_process_group(self.backend, init_method=init, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        self.stopped = False
+        log.info("learner group of %d ranks (%s) formed on 127.0.0.1:%d", size, self.backend, port)
+
+    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]]) -> None:
+        """Tell the other ranks what to build and where to read, then give them the replica.
+        ``fragments``: the partition (each rank derives the same one from the model)."""
+        self.params, self.fragments = params, fragments
+        dist.broadcast_object_list([setup], src=0)
+        for p in params:
+            dist.broadcast(p.data, src=0)
+
+    def before_step(self, resend: set[int]) -> None:
+        """Start a step on every rank, re-sending the fragments in ``resend`` (rank 0 folded
+        a new global version into them, or ended one of their windows)."""
+        control = [0] + [int(f in resend) for f in range(len(self.fragments))]
+        dist.broadcast(torch.tensor(control, dtype=torch.int64, device=self.device), src=0)
+        receive_or_send(self.params, self.fragments, control)
+
+    def average(self, params: list[torch.Tensor], loss: float, weight: int) -> tuple[float, int]:
+        return average_gradients(params, loss, weight, self.size, self.device)
+
+    def stop(self) -> None:
+        """The run drains: the other ranks leave their loop and exit."""
+        if not self.stopped:
+            control = [1] + [0] * len(self.fragments)
+            dist.broadcast(torch.tensor(control, dtype=torch.int64, device=self.device), src=0)
+            self.stopped = True
+
+    def close(self) -> None:
+        if self.stopped:
+            for child in self.children:
+                try:
+                    child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+            dist.destroy_process_group()
+        else:  # rank 0 failed: the group goes down with it
+            for child in self.children:
+                child.kill()
+                child.wait()
+
+
+def receive_or_send(params: list[torch.Tensor], fragments: list[list[int]], control: list[int]) -> None:
+    """The tensors of every fragment flagged in ``control[1:]``, from rank 0 to the others."""
+    for f, flagged in enumerate(control[1:]):
+        if flagged:
+            for i in fragments[f]:
+                dist.broadcast(params[i].data, src=0)
+
+
+def average_gradients(params: list[torch.Tensor], loss: float, weight: int, size: int, device) -> tuple[float, int]:
+    """Gradients averaged over the group (a parameter without a gradient on one rank counts
+    as zero there); returns the group's mean loss and summed batch weight."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(size)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+    # float64: weights are integers, exact up to 2^53
+    totals = torch.tensor([loss, float(weight)], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return float(totals[0]) / size, int(totals[1])
+
+
+def watch_parent() -> None:
+    """End this process when the one that started it is gone (a rank never outlives its
+    learner, even when the learner was killed between two collectives)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,24 @@
+"""bench/learner_overhead.py --quick end to end: a plain loop and a one-learner ddiloco run
+of the same model, and the JSON's shape (not its numbers: the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_quick_overhead_bench_writes_both_rates_and_their_ratio(tmp_path):
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learner_overhead.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for key in ("plain_before", "learner", "plain_after"):
+        assert result[key]["tokens"] > 0 and result[key]["tokens_per_second"] > 0
+    assert result["ratio"] == result["learner"]["tokens_per_second"] / result["plain_tokens_per_second"]
+    assert result["target"] == 0.95 and isinstance(result["met"], bool)
+    assert "| ratio (target >= 0.95) |" in proc.stdout

@@ -1,0 +1,88 @@
+"""A learner that is a torch.distributed group of R processes (gloo on CPU): rank 0 alone
+speaks gRPC, every rank trains on its own batches of the learner's shard with gradients
+averaged over the group, and a rank that dies takes its learner down as a unit, which a
+restart resumes like any other learner."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+from support import wait_until
+
+from ddiloco.learner.group import strided
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+MLP = f"{EXAMPLES / 'mlp_regression.py'}:workload"
+
+
+def test_each_rank_reads_every_rth_batch_from_its_own_offset():
+    assert [next(it) for it in [strided(iter(range(3, 100)), 2)] for _ in range(4)] == [3, 5, 7, 9]
+    assert list(zip(range(4), strided(iter(range(100)), 1))) == [(i, i) for i in range(4)]
+
+
+def test_two_learners_of_two_ranks_train_through_ddiloco_run(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "run", "--workload", MLP, "--learners", "2", "--ranks-per-learner", "2",
+         "--out", str(out), "--quiet", "--device", "cpu", "--inner-steps", "10", "--eval-interval", "1",
+         "--max-tokens", "80000", "--max-seconds", "60", "--no-monitoring"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [lr["ranks"] for lr in report["learners"]] == [2, 2]
+    # a group step takes two batches: half the steps of one-process learners for the tokens
+    assert report["final_eval_loss"] < 0.6 * report["initial_eval_loss"], report
+    for lr in report["learners"]:
+        assert lr["deltas_merged"] > 0
+        assert lr["tokens"] % 64 == 0  # a group step: 2 ranks x 32 samples
+    for i in range(2):
+        log = (out / "logs" / f"learner-{i}.log").read_text()
+        assert "learner group of 2 ranks (gloo)" in log and "rank 1 of 2" in log
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def events(out: pathlib.Path, kind: str) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+def test_a_rank_that_dies_takes_its_learner_down_and_the_restart_resumes(cluster_factory):
+    cluster = cluster_factory(["--workload", MLP, "--inner-steps", "10", "--max-tokens", "10000000"], max_seconds=300)
+    group = ["--device", "cpu", "--nproc-per-learner", "2", "--slowdown", "3"]
+    victim = cluster.start_learner(0, group)
+    cluster.start_learner(1, group)
+    wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0], 180, "learner 0's first ack")
+    rank1 = wait_until(lambda: children(victim.popen.pid), 30, "learner 0's second rank")
+    os.kill(rank1[0], signal.SIGKILL)
+    wait_until(lambda: victim.returncode() is not None, 120, "learner 0 to go down with its rank")
+    assert victim.returncode() != 0
+    starts = len([e for e in events(cluster.out, "learner_start") if e["learner"] == 0])
+    cluster.start_learner(0, group, name="learner-0-restarted")
+
+    def resumed():
+        mine = [e for e in events(cluster.out, "learner_start") if e["learner"] == 0]
+        return mine[starts:] if len(mine) > starts else None
+
+    restart = wait_until(resumed, 180, "learner 0 to start again")[0]
+    assert restart["batch_index"] > 0 and restart["batch_index"] % 2 == 0  # whole group steps, not from scratch
+    wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0 and e["seq"] >= restart["first_seq"]],
+               180, "an upload of the restarted learner")
