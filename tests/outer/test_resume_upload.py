@@ -33,9 +33,18 @@ def system(tmp_path_factory):
     ids = register(cluster.coordinator_address, 2)
     client = OuterClient(cluster.outer_address, "resume-run", ids[0], chunk_bytes=CHUNK)
     g = client.pull(0, -1, timeout=30)
+    # The outer optimizer keeps a broken stream only of a learner it has confirmed with the
+    # coordinator (its membership cache; a learner it has not confirmed yet simply resends
+    # everything). UploadOffset confirms the caller, so the first break below does not
+    # depend on when the cache last refreshed.
+    _stub_offset(client, ids[0])
     yield client, g, ids
     client.close()
     cluster.stop_all()
+
+
+def _stub_offset(client, learner_id) -> None:
+    client._stub.UploadOffset(outer_pb2.UploadOffsetRequest(header=outer_pb2.DeltaHeader(run_id="resume-run", learner_id=learner_id)), timeout=10)
 
 
 def _delta(g, seed):
@@ -64,8 +73,21 @@ def _break_after(client, header, payload, chunks: int) -> None:
         client._push(frames(), timeout=30)
 
 
-def _held(client, header, size, want_positive=True):
-    deadline = time.monotonic() + 10
+def _break_until_held(client, header, payload, chunks: int) -> int:
+    """Break an upload after ``chunks`` chunks until the server holds part of it. Keeping a
+    broken stream is best effort: a cancellation that reaches the server before it read the
+    chunks leaves nothing to keep (the retry then sends everything), so one break alone is a
+    race with the server's scheduling; a few attempts are not."""
+    for _ in range(5):
+        _break_after(client, header, payload, chunks)
+        held = _held(client, header, len(payload), wait_s=3)
+        if held:
+            return held
+    return 0
+
+
+def _held(client, header, size, want_positive=True, wait_s=10.0):
+    deadline = time.monotonic() + wait_s
     while True:
         held = client.upload_offset(header, size, 5)
         if held or not want_positive or time.monotonic() > deadline:
@@ -78,8 +100,7 @@ def test_a_broken_upload_resumes_where_it_stopped(system):
     enc = _delta(g, 1)
     assert len(enc.payload) > 8 * CHUNK
     header = _header(client, g, enc, 1)
-    _break_after(client, header, enc.payload, 5)
-    held = _held(client, header, len(enc.payload))
+    held = _break_until_held(client, header, enc.payload, 5)
     assert 0 < held <= 5 * CHUNK
     # another upload (another sequence number) has nothing held
     assert client.upload_offset(_header(client, g, enc, 2), len(enc.payload), 5) == 0
@@ -92,8 +113,7 @@ def test_push_with_resume_asks_first_and_falls_back_to_the_whole_payload(system)
     client, g, _ = system
     enc = _delta(g, 2)
     header = _header(client, g, enc, 2)
-    _break_after(client, header, enc.payload, 3)
-    assert _held(client, header, len(enc.payload)) > 0
+    assert _break_until_held(client, header, enc.payload, 3) > 0
     kwargs = dict(seq=2, base_version=g.version, tokens=header.tokens, inner_steps=5, loss=0.0, timeout=30)
     assert client.push(enc, resume=True, **kwargs).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
     # nothing held now: a resumed push of the next one simply sends everything
@@ -116,8 +136,7 @@ def test_offsets_that_do_not_match_what_is_held_are_refused(system):
             client._push(iter([outer_pb2.DeltaChunk(header=header, data=b"x")]), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "offset" in err.value.details()
     # held, but not that much: refused, and what is held stays for a correct retry
-    _break_after(client, header, enc.payload, 2)
-    held = _held(client, header, size)
+    held = _break_until_held(client, header, enc.payload, 2)
     with pytest.raises(grpc.RpcError) as err:
         client.push_payload(header, enc.payload, timeout=30, offset=held + 1)
     assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
