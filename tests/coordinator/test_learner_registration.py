@@ -75,7 +75,7 @@ def other_values(self):
     return model
 checked.Workload.build_model = other_values
 from ddiloco.cli import main
-sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu']))
+sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu', '--insecure']))
 """
 
 
