@@ -26,6 +26,7 @@ fails as a unit and, restarted, resumes like any other.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
@@ -68,6 +69,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+# Most bytes of a set-up message: the run configuration as JSON is a few kB.
+MAX_SETUP_BYTES = 1 << 20
+
+
+def broadcast_json(obj: Any, device: torch.device) -> Any:
+    """Rank 0's ``obj`` on every rank, as JSON in a byte tensor: torch's
+    ``broadcast_object_list`` would unpickle what another process sends."""
+    if dist.get_rank() == 0:
+        data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    n = int(size.item())
+    if not 0 < n <= MAX_SETUP_BYTES:
+        raise ValueError(f"learner group set-up of {n} bytes (at most {MAX_SETUP_BYTES})")
+    if dist.get_rank() != 0:
+        data = torch.empty(n, dtype=torch.uint8)
+    data = data.to(device)
+    dist.broadcast(data, src=0)
+    return json.loads(bytes(data.cpu().tolist()).decode())
 
 
 class Solo:
@@ -114,7 +139,7 @@ class Group:
         """Tell the other ranks what to build and where to read, then give them the replica.
         ``fragments``: the partition (each rank derives the same one from the model)."""
         self.params, self.fragments = params, fragments
-        dist.broadcast_object_list([setup], src=0)
+        broadcast_json(setup, self.device)
         for p in params:
             dist.broadcast(p.data, src=0)
 

@@ -16,6 +16,7 @@ from ddiloco.common.cliargs import limit_threads, setup_logging
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
 from ddiloco.learner.group import (
+    broadcast_json,
     COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, strided, watch_parent,
 )
 from ddiloco.workloads import load
@@ -48,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(rank: int, world: int, device: torch.device) -> None:
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0)
-    setup = box[0]
+    setup = broadcast_json(None, device)
     cfg = RunConfig.from_json(setup["config"])
     if setup["batch_size"]:
         cfg = copy.deepcopy(cfg)
