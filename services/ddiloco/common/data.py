@@ -163,3 +163,17 @@ def eval_windows(eval_bytes: np.ndarray, context: int, count: int) -> torch.Tens
     picks = np.linspace(0, n - 1, num=min(count, n)).astype(np.int64)
     data = torch.from_numpy(eval_bytes.astype(np.int64))
     return torch.stack([data[i * context : i * context + context + 1] for i in picks])
+
+
+class CorpusCache:
+    """The run's corpus split for a shard count, read once per count (the learners' M, or
+    dp's world size): every workload that trains on the built-in text holds one."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+        self._by_count: dict[int, Corpus] = {}
+
+    def __call__(self, num_shards: int) -> Corpus:
+        if num_shards not in self._by_count:
+            self._by_count[num_shards] = load_corpus(self.data, num_shards)
+        return self._by_count[num_shards]

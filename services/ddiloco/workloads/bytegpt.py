@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ddiloco.common.data import Corpus, ShardSampler, eval_windows, load_corpus
+from ddiloco.common.data import CorpusCache, ShardSampler, eval_windows
 from ddiloco.common.model import build_model
 from ddiloco.workloads.checked import WorkloadError
 
@@ -31,13 +31,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class ByteGPT:
     def __init__(self, run) -> None:
         self.run = run
-        self._corpora: dict[int, Corpus] = {}
-
-    def _corpus(self, num_shards: int) -> Corpus:
-        # the corpus is read once per shard count (the learners' M, or dp's world size)
-        if num_shards not in self._corpora:
-            self._corpora[num_shards] = load_corpus(self.run.data, num_shards)
-        return self._corpora[num_shards]
+        self._corpus = CorpusCache(run.data)
 
     def model(self) -> nn.Module:
         return build_model(self.run.model, self.run.seed)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddiloco.common.data import Corpus, ShardSampler, eval_windows, load_corpus
+from ddiloco.common.data import CorpusCache, ShardSampler, eval_windows
 from ddiloco.workloads.checked import WorkloadError
 
 BYTES = 256
@@ -77,12 +77,7 @@ class HFCausalLM:
         self.config = config
         self.context = context
         self.batch = batch
-        self._corpora: dict[int, Corpus] = {}
-
-    def _corpus(self, num_shards: int) -> Corpus:
-        if num_shards not in self._corpora:
-            self._corpora[num_shards] = load_corpus(self.run.data, num_shards)
-        return self._corpora[num_shards]
+        self._corpus = CorpusCache(run.data)
 
     def model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
