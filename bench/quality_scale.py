@@ -8,6 +8,9 @@ learners) and the eval curve all along, two seeds each:
     ddiloco-int8       ddiloco run --codec int8 (the run defaults otherwise)
     ddiloco-int4       ddiloco run --codec int4                    (at M = 8 only)
     ddiloco-int8-slow  ddiloco-int8 with learner M-1 three times slower (at M = 8 only)
+    ddiloco-fp32       ddiloco run --codec fp32: asynchronous, unquantized (only when named in
+                       --methods: a diagnostic that separates what asynchrony costs from what
+                       quantization and its error feedback cost)
 
 A seed sets the initial model (RunConfig.seed) and the order the shards are read in
 (DataConfig.seed = 1234 + seed); the split of the corpus is the same for every seed.
@@ -49,7 +52,8 @@ if str(HERE) not in sys.path:
 import common_bench as cb  # noqa: E402  (also puts services/ on sys.path)
 
 ROOT = cb.ROOT
-METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4"]  # also the run order
+METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4", "ddiloco-fp32"]  # also the run order
+DEFAULT_METHODS = METHODS[:5]  # ddiloco-fp32 is a diagnostic, run only when asked for
 EXTRA_METHODS = ("ddiloco-int4", "ddiloco-int8-slow")  # run at --extras-at only
 SLOW_FACTOR = 3.0
 ROW_KEYS = ["method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
@@ -64,6 +68,7 @@ def method_flags(method: str, m: int) -> list[str]:
         "ddiloco-int8": ["--codec", "int8"],
         "ddiloco-int4": ["--codec", "int4"],
         "ddiloco-int8-slow": ["--codec", "int8"],
+        "ddiloco-fp32": ["--codec", "fp32"],
     }.get(method, [])
 
 
@@ -261,7 +266,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--learners", type=_ints, default=None, help="comma-separated M values (default 4,8,16; quick: 2)")
     p.add_argument("--seeds", type=_ints, default=None, help="comma-separated seeds (default 0,1; quick: 0)")
     p.add_argument("--tokens", type=int, default=None, help="budget across learners (default 12,000,000)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--extras-at", type=int, default=None,
                    help="the M at which ddiloco-int4 and ddiloco-int8-slow run (default 8; quick: 2)")
     p.add_argument("--inner-steps", type=int, default=None, help="H (default 20; quick 5)")
