@@ -193,13 +193,14 @@ def mean(xs) -> float | None:
 
 # ----------------------------------------------------------------------------- running
 def run_ddiloco(run_dir: pathlib.Path, flags: list[str], learners: int, device: str = "cpu",
-                slowdown: dict[int, float] | None = None, timeout_s: float = 4 * 3600.0) -> dict:
-    """``ddiloco run`` with ``flags`` through the launcher; its report (raises on failure)."""
+                slowdown: dict[int, float] | None = None, timeout_s: float = 4 * 3600.0, insecure: bool = False) -> dict:
+    """``ddiloco run`` with ``flags`` through the launcher; its report (raises on failure).
+    Mutual TLS is on, as in any run, unless ``insecure``."""
     from ddiloco.launcher.run import LaunchOptions, launch
 
     result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device=device,
                                   slowdown=slowdown or {}, progress=False, monitoring=False,
-                                  timeout_s=timeout_s))
+                                  timeout_s=timeout_s, insecure=insecure))
     if not result.ok:
         raise RuntimeError(f"ddiloco run in {run_dir} failed: {result.failures or 'no report'}; see {run_dir}/logs")
     return result.report

@@ -79,11 +79,22 @@ def plain_tokens_per_second(flags: list[str], seconds: float, warmup_steps: int)
     return {"tokens": tokens, "seconds": round(wall, 3), "tokens_per_second": tokens / wall}
 
 
-def learner_tokens_per_second(flags: list[str], seconds: float, work: pathlib.Path) -> dict:
-    report = cb.run_ddiloco(work / "run", flags + ["--max-seconds", str(seconds)], learners=1)
+def learner_tokens_per_second(flags: list[str], seconds: float, work: pathlib.Path, insecure: bool = False) -> dict:
+    report = cb.run_ddiloco(work / "run", flags + ["--max-seconds", str(seconds)], learners=1, insecure=insecure)
     lr = report["learners"][0]
-    return {"tokens": lr["tokens"], "seconds": lr["wall_seconds"], "tokens_per_second": lr["tokens"] / lr["wall_seconds"],
-            "deltas_merged": lr["deltas_merged"]}
+    out = {"tokens": lr["tokens"], "seconds": lr["wall_seconds"], "tokens_per_second": lr["tokens"] / lr["wall_seconds"],
+           "deltas_merged": lr["deltas_merged"], "compute_seconds": lr.get("compute_seconds")}
+    # Steady state, as the plain loop's figure is (it skips its first steps): from the end of
+    # the learner's first window of fragment 0 to the end of its last, so neither the first
+    # steps nor the drain at the end weigh in. The wall figure above includes both.
+    ends = [(e["t"], e["steps"]) for e in cb.read_events(work / "run")
+            if e.get("event") == "window" and e.get("learner") == 0 and e.get("fragment") == 0]
+    per_step = lr["tokens"] / lr["inner_steps"] if lr.get("inner_steps") else None
+    if len(ends) >= 3 and per_step:
+        span = ends[-1][0] - ends[0][0]
+        out["steady"] = {"windows": len(ends) - 1, "seconds": round(span, 3),
+                         "tokens_per_second": sum(n for _, n in ends[1:]) * per_step / span}
+    return out
 
 
 def main() -> int:
@@ -91,6 +102,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="CI smoke: the tiny model, a few seconds each")
     parser.add_argument("--seconds", type=float, default=60.0, help="training seconds of each measurement")
     parser.add_argument("--allow-dirty", action="store_true")
+    parser.add_argument("--insecure", action="store_true",
+                        help="run the learner's services without mutual TLS (diagnostic: TLS's share of the overhead)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "learner_overhead.json")
     args = parser.parse_args()
     prov = cb.start_provenance(args.allow_dirty or args.quick, "learner_overhead")
@@ -100,22 +113,29 @@ def main() -> int:
     work = pathlib.Path(tempfile.mkdtemp(prefix="ddiloco-overhead-"))
     try:
         before = plain_tokens_per_second(flags, seconds / 2, warmup_steps=5)
-        learner = learner_tokens_per_second(flags, seconds, work)
+        learner = learner_tokens_per_second(flags, seconds, work, insecure=args.insecure)
         after = plain_tokens_per_second(flags, seconds / 2, warmup_steps=5)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     plain = (before["tokens_per_second"] + after["tokens_per_second"]) / 2
     ratio = learner["tokens_per_second"] / plain
+    steady = learner.get("steady")
+    steady_ratio = steady["tokens_per_second"] / plain if steady else None
     result = {
-        "config": {"flags": flags, "seconds": seconds, "quick": args.quick, "threads": 1, "device": "cpu"},
+        "config": {"flags": flags, "seconds": seconds, "quick": args.quick, "threads": 1, "device": "cpu",
+                   "tls": not args.insecure},
         "plain_before": before, "learner": learner, "plain_after": after,
         "plain_tokens_per_second": plain, "ratio": ratio, "target": TARGET, "met": ratio >= TARGET,
+        "steady_ratio": steady_ratio,
         "provenance": cb.finish_provenance(prov),
     }
     print("| measurement | tokens/s |\n|---|---|")
     print(f"| plain loop (before, after) | {before['tokens_per_second']:,.0f}, {after['tokens_per_second']:,.0f} |")
     print(f"| ddiloco learner | {learner['tokens_per_second']:,.0f} |")
     print(f"| ratio (target >= {TARGET}) | {ratio:.3f} ({'met' if ratio >= TARGET else 'missed'}) |")
+    if steady:
+        print(f"| ddiloco learner, steady state ({steady['windows']} windows) | {steady['tokens_per_second']:,.0f} |")
+        print(f"| steady-state ratio | {steady_ratio:.3f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -26,6 +26,7 @@ theirs.
     python bench/quality_scale.py                       # everything: run it alone on the machine
     python bench/quality_scale.py --learners 8 --seeds 0 --methods diloco-sync,ddiloco-int8
     python bench/quality_scale.py --quick               # smoke test: M=2, one seed, tens of thousands of tokens
+    python bench/quality_scale.py --summarize bench/results/quality_scale.json   # targets of a result, no run
 
 Writes ``bench/results/quality_scale.json`` (``quality_scale-quick.json`` with --quick):
 ``{"config": {...}, "rows": [{"method", "learners", "seed", "tokens", "final_eval_loss",
@@ -58,6 +59,7 @@ EXTRA_METHODS = ("ddiloco-int4", "ddiloco-int8-slow")  # run at --extras-at only
 SLOW_FACTOR = 3.0
 ROW_KEYS = ["method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
             "staleness_mean", "wall_seconds", "curve"]
+TAIL = 0.20  # the share of the budget the tail diagnostics look at
 LIMITS = {"sync_vs_dp": 0.01, "int8_vs_sync": 0.01, "int8_curve_vs_sync": 0.02, "curve_skip": 0.10,
           "int4_vs_int8": 0.005, "slow_vs_int8": 0.03, "fast_tokens_per_s_ratio": 0.95}
 
@@ -111,7 +113,7 @@ def run_one(method: str, m: int, seed: int, budget: int, cfg_path: pathlib.Path,
         "curve": [[int(t), round(v, 5)] for t, v in curve],
     }
     extra = {"initial_eval_loss": report.get("initial_eval_loss"), "elapsed_seconds": round(time.monotonic() - t0, 1),
-             "run_dir": str(run_dir), "flags": method_flags(method, m)}
+             "run_dir": str(run_dir), "flags": method_flags(method, m), "eval_swing": eval_swing(row["curve"], budget)}
     if method == "dp":
         extra["optimizer_steps"] = report.get("optimizer_steps")
     else:
@@ -157,6 +159,47 @@ def curve_gap_max(rows: list[dict], m: int, budget: int, method: str = "ddiloco-
     return round(max(gaps), 5)
 
 
+def _seed_pairs(rows: list[dict], m: int, method: str, base: str) -> list[tuple[list, list]]:
+    seeds = sorted({r["seed"] for r in _rows(rows, method, m)} & {r["seed"] for r in _rows(rows, base, m)})
+    return [([tuple(p) for p in next(r for r in _rows(rows, method, m) if r["seed"] == s)["curve"]],
+             [tuple(p) for p in next(r for r in _rows(rows, base, m) if r["seed"] == s)["curve"]]) for s in seeds]
+
+
+def tail_gap(rows: list[dict], m: int, budget: int, method: str = "ddiloco-int8", base: str = "diloco-sync",
+             tail: float = TAIL, points: int = 50) -> float | None:
+    """Relative gap of the mean eval loss over the last ``tail`` of the budget: each curve
+    interpolated on one grid of ``points`` token counts (evaluations come every few seconds,
+    so the methods' points sit at different tokens), averaged over the seeds that ran both.
+
+    Why beside the final point: with a constant inner learning rate the model's eval loss
+    swings from one evaluation to the next (``eval_swing`` of each row); at M = 4 the swing
+    of a single point is about the size of the 1% target, so one final point per seed cannot
+    tell a 1% gap from a lucky or unlucky last evaluation. The tail mean can."""
+    pairs = _seed_pairs(rows, m, method, base)
+    if not pairs:
+        return None
+    end = min(min(a[-1][0], b[-1][0]) for a, b in pairs)
+    start = (1 - tail) * budget
+    if end <= start:
+        return None
+    xs = [start + (end - start) * i / (points - 1) for i in range(points)]
+    la = cb.mean([cb.mean([cb.interpolate(a, x) for x in xs]) for a, _ in pairs])
+    lb = cb.mean([cb.mean([cb.interpolate(b, x) for x in xs]) for _, b in pairs])
+    return round(la / lb - 1, 5)
+
+
+def eval_swing(curve: list, budget: int, tail: float = TAIL) -> float | None:
+    """Standard deviation of the change between successive evaluations over the last ``tail``
+    of the budget (the training trend there is a small part of it): how far one eval point
+    may sit from its neighbours."""
+    ys = [y for x, y in curve if x >= (1 - tail) * budget]
+    if len(ys) < 3:
+        return None
+    steps = [b - a for a, b in zip(ys, ys[1:])]
+    mu = sum(steps) / len(steps)
+    return round((sum((d - mu) ** 2 for d in steps) / len(steps)) ** 0.5, 5)
+
+
 def fast_ratio(rows: list[dict], m: int) -> float | None:
     """Fast learners' tokens/s in the slow run over the same learners' in ddiloco-int8 (same
     M and seed), mean over seeds."""
@@ -178,6 +221,9 @@ def targets(rows: list[dict], budget: int) -> list[dict]:
 
     def add(name: str, m: int, value: float | None, limit: float, higher_ok: bool = False, kind: str = "rel") -> None:
         met = None if value is None else (value >= limit if higher_ok else value <= limit)
+        if kind == "diagnostic":  # reported beside the targets, judged by none
+            met, kind = None, "rel"
+            name = name if name.startswith("(diagnostic)") else f"(diagnostic) {name}"
         out.append({"target": name, "learners": m, "value": value, "limit": limit, "met": met, "kind": kind,
                     "seeds": sorted({r["seed"] for r in rows if r["learners"] == m})})
 
@@ -186,6 +232,15 @@ def targets(rows: list[dict], budget: int) -> list[dict]:
         add("diloco-sync vs dp (final)", m, cb.rel(fin("diloco-sync"), fin("dp")), LIMITS["sync_vs_dp"])
         add("ddiloco-int8 vs diloco-sync (final)", m, cb.rel(fin("ddiloco-int8"), fin("diloco-sync")), LIMITS["int8_vs_sync"])
         add("ddiloco-int8 vs diloco-sync (curve max after 10%)", m, curve_gap_max(rows, m, budget), LIMITS["int8_curve_vs_sync"])
+        # diagnostics, not targets: the same comparison over the tail of the budget, and the
+        # asynchronous run without quantization where it ran (what asynchrony alone costs)
+        add(f"(diagnostic) ddiloco-int8 vs diloco-sync (mean over the last {TAIL:.0%})", m, tail_gap(rows, m, budget),
+            LIMITS["int8_vs_sync"], kind="diagnostic")
+        if _rows(rows, "ddiloco-fp32", m):
+            add("(diagnostic) ddiloco-fp32 vs diloco-sync (final)", m, cb.rel(fin("ddiloco-fp32"), fin("diloco-sync")),
+                LIMITS["int8_vs_sync"], kind="diagnostic")
+            add(f"(diagnostic) ddiloco-fp32 vs diloco-sync (mean over the last {TAIL:.0%})", m,
+                tail_gap(rows, m, budget, method="ddiloco-fp32"), LIMITS["int8_vs_sync"], kind="diagnostic")
         if _rows(rows, "ddiloco-int4", m):
             add("ddiloco-int4 vs ddiloco-int8 (final)", m, cb.rel(fin("ddiloco-int4"), fin("ddiloco-int8")), LIMITS["int4_vs_int8"])
         if _rows(rows, "ddiloco-int8-slow", m):
@@ -206,18 +261,21 @@ def targets_table(items: list[dict]) -> str:
         v = t["value"]
         shown = "-" if v is None else (f"{v:+.2%}" if t["kind"] == "rel" else f"{v:.4g}")
         met = {True: "yes", False: "**no**", None: "n/a (not run)"}[t["met"]]
+        if t["target"].startswith("(diagnostic)"):
+            met = "(not a target)"
         lines.append(f"| {t['learners'] or '-'} | {t['target']} | {shown} | {t['limit']} | {met} |")
     return "\n".join(lines)
 
 
 def results_table(rows: list[dict]) -> str:
-    lines = ["| M | method | seed | tokens | final eval loss | accuracy | deltas/merge | staleness | wall s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| M | method | seed | tokens | final eval loss | accuracy | deltas/merge | staleness | eval swing | wall s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         lines.append(f"| {r['learners']} | {r['method']} | {r['seed']} | {r['tokens']:,} | {r['final_eval_loss']:.4f} | "
                      f"{r['final_eval_accuracy']:.2%} | {f(r['deltas_per_merge_mean'], '.2f')} | "
-                     f"{f(r['staleness_mean'], '.3f')} | {r['wall_seconds']:.0f} |")
+                     f"{f(r['staleness_mean'], '.3f')} | {f(r.get('extra', {}).get('eval_swing'), '.4f')} | "
+                     f"{r['wall_seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -276,6 +334,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     p.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--runs-dir", type=pathlib.Path, default=None, help="run folders (default: runs/quality_scale-<time>)")
+    p.add_argument("--summarize", type=pathlib.Path, default=None, metavar="JSON",
+                   help="print the targets and diagnostics of an existing results file, recomputed from its rows; run nothing")
     args = p.parse_args(argv)
     args.method_list = [x.strip() for x in args.methods.split(",") if x.strip()]
     unknown = [x for x in args.method_list if x not in METHODS]
@@ -304,8 +364,22 @@ def plan(args: argparse.Namespace) -> list[tuple[int, int, str]]:
     return out
 
 
+def summarize(path: pathlib.Path) -> int:
+    """Targets and diagnostics of a results file, recomputed from its rows (no run): how the
+    tail diagnostics are read off a committed result. Prints; writes nothing."""
+    doc = json.loads(path.read_text())
+    rows, budget = doc["rows"], doc["config"]["tokens"]
+    for r in rows:  # rows written before the swing was recorded
+        r.setdefault("extra", {}).setdefault("eval_swing", eval_swing(r["curve"], budget))
+    print(f"{path} (git {doc['config'].get('git_rev', '?')[:9]}, {budget:,} tokens)\n")
+    print(results_table(rows) + "\n\n" + targets_table(targets(rows, budget)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.summarize is not None:
+        return summarize(args.summarize)
     runs_plan = plan(args)
     if not runs_plan:
         raise SystemExit("nothing to run: the extras (int4, slow) run only at --extras-at")

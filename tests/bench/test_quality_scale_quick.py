@@ -106,3 +106,28 @@ def test_plan_runs_extras_only_at_their_m():
     assert len(plan) == 2 * 3 + 2 * 5
     assert {m for m, _, x in plan if x in q.EXTRA_METHODS} == {8}
     assert plan[:3] == [(4, 0, "dp"), (4, 0, "diloco-sync"), (4, 0, "ddiloco-int8")]
+
+
+def test_the_tail_diagnostic_averages_each_curve_over_the_last_fifth_on_one_grid():
+    q = _load_bench()
+    # sync flat at 2.0 over the tail; int8 evaluated at other tokens, a line from 2.2 at 800
+    # to 2.0 at 1000: its mean over [800, 1000] is 2.1, whatever points it was sampled at
+    rows = [
+        _row("diloco-sync", 4, 0, 2.0, [[0, 5.0], [500, 2.0], [900, 2.0], [1000, 2.0]]),
+        _row("ddiloco-int8", 4, 0, 2.0, [[0, 5.0], [800, 2.2], [1000, 2.0]]),
+    ]
+    assert q.tail_gap(rows, 4, 1000) == pytest.approx(0.05, abs=1e-4)
+    by = {t["target"]: t for t in q.targets(rows, 1000)}
+    diag = by["(diagnostic) ddiloco-int8 vs diloco-sync (mean over the last 20%)"]
+    assert diag["met"] is None and diag["value"] == pytest.approx(0.05, abs=1e-4)
+    assert by["ddiloco-int8 vs diloco-sync (final)"]["met"] is True  # the final points agree
+    assert "(not a target)" in q.targets_table(q.targets(rows, 1000))
+
+
+def test_eval_swing_is_the_spread_of_successive_changes_in_the_tail():
+    q = _load_bench()
+    # a steady fall has no swing; alternating +-0.01 around a trend has changes of +-0.02
+    assert q.eval_swing([[x, 3.0 - x / 1000] for x in range(0, 1001, 50)], 1000) == pytest.approx(0.0, abs=1e-9)
+    zigzag = [[800 + 25 * i, 2.0 + (0.01 if i % 2 else -0.01)] for i in range(9)]
+    assert q.eval_swing(zigzag, 1000) == pytest.approx(0.02, abs=1e-6)
+    assert q.eval_swing([[990, 2.0], [1000, 2.0]], 1000) is None  # too few points to say

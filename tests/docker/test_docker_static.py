@@ -113,6 +113,32 @@ def test_compose_starts_exactly_ddiloco_learners_learners(profile, learners):
     assert f"--learners={n}" in rendered["services"]["coordinator"]["command"]
 
 
+def test_compose_passes_a_learners_ranks_and_the_workload_through_from_the_shell():
+    """`DDILOCO_NPROC_PER_LEARNER=2 DDILOCO_WORKLOAD=... docker compose up` runs each learner
+    as a group of 2 ranks and the run on the user's workload: Compose hands the variables to
+    the services that read them (the learners, the coordinator that plans the run); unset,
+    they stay out of the containers and the commands' defaults hold."""
+    compose_plugin()
+    from ddiloco.common.cliargs import env_name
+
+    assert env_name("--nproc-per-learner", "DDILOCO_") == "DDILOCO_NPROC_PER_LEARNER"
+    assert env_name("--workload-arg", "DDILOCO_") == "DDILOCO_WORKLOAD_ARG"
+    shell = {"DDILOCO_NPROC_PER_LEARNER": "2", "DDILOCO_WORKLOAD": "examples.mlp_regression:workload",
+             "DDILOCO_WORKLOAD_ARG": "width=32 'note=two words'", "COMPOSE_PROFILES": None}
+    for profile in ("lan", "wan-mixed"):
+        rendered = json.loads(run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--format",
+                                  "json", env=shell).stdout)["services"]
+        assert env_of(rendered[learner_service(profile)])["DDILOCO_NPROC_PER_LEARNER"] == "2"
+        coordinator = env_of(rendered["coordinator"])
+        assert coordinator["DDILOCO_WORKLOAD"] == "examples.mlp_regression:workload"
+        assert coordinator["DDILOCO_WORKLOAD_ARG"] == "width=32 'note=two words'"
+    unset = {key: None for key in shell}
+    rendered = json.loads(run("docker", "compose", "-f", str(COMPOSE_FILE), "config", "--format", "json",
+                              env=unset).stdout)["services"]
+    assert env_of(rendered["learner"]).get("DDILOCO_NPROC_PER_LEARNER") in (None, "")
+    assert env_of(rendered["coordinator"]).get("DDILOCO_WORKLOAD") in (None, "")
+
+
 def test_stack_config_resolves(engine):
     if run("docker", "stack", "config", "--help", check=False).returncode != 0:
         pytest.skip("this docker CLI has no `docker stack config` (added after 20.10); the Swarm e2e test deploys the file")

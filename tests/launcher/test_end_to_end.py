@@ -132,3 +132,28 @@ def test_the_run_made_its_own_ca_and_logged_no_key(finished_run):
     assert "PRIVATE KEY" not in logs
     for key in keys:
         assert "".join(key.read_text().splitlines()[1:-1])[:40] not in logs
+
+
+def test_a_learner_downloads_at_most_once_per_own_window_and_never_more_than_it_uploads(finished_run):
+    """Downloads are the change since the learner's copy, quantized like its uploads (int8
+    here) and pulled once its own delta of that fragment was merged: after the one full fp32
+    copy a learner starts from, it receives no more pulls than it ended windows, and no more
+    bytes than it sent (report.json counts both; the events say which pull was which)."""
+    _, out = finished_run
+    report = json.loads((out / "report.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["learner"]["codec"] == "int8"
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for lr in report["learners"]:
+        me = lr["learner_id"]
+        pulls = [e for e in events if e["event"] == "pull" and e["learner"] == me]
+        full = [e for e in pulls if e["full"]]
+        changes = [e for e in pulls if not e["full"]]
+        assert len(full) == config["fragments"], "one full copy per fragment, at the start only"
+        assert sum(e["bytes"] for e in pulls) == lr["bytes_downloaded"]
+        for f in range(config["fragments"]):
+            windows = sum(1 for e in events if e["event"] == "window" and e["learner"] == me and e["fragment"] == f)
+            mine = sum(1 for e in changes if e["fragment"] == f)
+            assert 0 < mine <= windows, f"learner {me}, fragment {f}: {mine} downloads for {windows} windows"
+        assert sum(e["bytes"] for e in changes) <= lr["bytes_uploaded"], (
+            f"learner {me}: downloaded {sum(e['bytes'] for e in changes)} bytes of changes, uploaded {lr['bytes_uploaded']}")
