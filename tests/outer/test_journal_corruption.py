@@ -127,9 +127,11 @@ def test_an_unreadable_entry_the_checkpoint_covers_does_not_stop_the_restart(tmp
     assert fingerprint(OuterState(cfg, tmp_path)) == before
 
 
-def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path):
+@pytest.mark.parametrize("damage", ["flipped-bit", "header-rewritten"])
+def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path, damage):
     """Over real processes: SIGKILL the outer optimizer with an acknowledged delta in its
-    journal, damage the entry, start it again: it exits non-zero and its log names the file."""
+    journal, damage the entry (its payload, or its header so that it still reads back),
+    start it again: it exits non-zero and its log names the file, learner and sequence."""
     from support import TINY_RUN, wait_serving, wait_until
 
     from ddiloco.launcher.processes import Cluster
@@ -145,12 +147,18 @@ def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path):
         entry = next((tmp_path / "run" / "outer" / "journal").glob("*.delta"))
         os.killpg(outer.popen.pid, signal.SIGKILL)
         outer.popen.wait(10)
-        _damage(entry, "flipped-bit")
+        if damage == "flipped-bit":
+            _damage(entry, damage)
+        else:
+            _rewrite_header(entry, _other_shape)
 
         again = cluster.start_outer()
         assert again.popen.wait(120) != 0
         log = again.log_path.read_text()
         assert "cannot start" in log and str(entry) in log
+        assert f"(learner {a.learner_id}, sequence 1)" in log
+        if damage == "header-rewritten":
+            assert "has shape" in log
         assert "Traceback" not in log, "a damaged journal is a precise one-line error, not a traceback"
     finally:
         cluster.stop_all(grace=10)
