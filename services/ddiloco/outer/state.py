@@ -25,6 +25,12 @@ took (``recovery.py``). Versions therefore only ever increase, and no delta is a
 Deltas are idempotent by (learner id, sequence): a sequence at or below the last one
 accepted is refused (``errors.AlreadyExists``), which a retrying learner reads as "already
 have it". Refusals are typed (``errors.py``); the servicer maps them to status codes.
+
+Everything a merge reads or writes is per fragment (its ``Fragment`` record, its merge
+decision, its merge records): the global ``version`` is only a count of merges. An outer
+shard owning a subset of the fragments builds only those records; what would change is
+which fragments ``__init__`` builds, and the fragment count a checkpoint is checked against
+(``recovery.load_checkpoint``).
 """
 
 from __future__ import annotations
