@@ -215,3 +215,67 @@ def test_step_returns_the_norm_of_the_change_it_made(nesterov, fraction):
         norm = opt.step(params, [torch.randn(5, 3), torch.randn(7)], fraction)
         actual = math.sqrt(sum(float((p - b).pow(2).sum()) for p, b in zip(params, before)))
         assert norm == pytest.approx(actual, rel=1e-5)
+
+
+# ------------------------------------------------------------ merge planning (outer/state.py)
+def test_the_quorum_is_met_by_that_many_distinct_learners():
+    assert merge.quorum_met(2, quorum=2, live_learners=4)
+    assert not merge.quorum_met(1, quorum=2, live_learners=4)
+    assert merge.quorum_met(1, quorum=2, live_learners=1), "one live learner is a quorum of one"
+    assert not merge.quorum_met(0, quorum=1, live_learners=0), "nothing pending never merges"
+
+
+def test_a_delta_is_rescaled_to_one_window_of_h_steps():
+    t = [torch.tensor([2.0, -4.0])]
+    assert merge.rescale_to_window(t, 10, 10)[0] is t[0], "a whole window is used as it is"
+    assert torch.equal(merge.rescale_to_window(t, 20, 10)[0], torch.tensor([1.0, -2.0])), "two coalesced windows: halved"
+    assert torch.equal(merge.rescale_to_window(t, 5, 10)[0], torch.tensor([4.0, -8.0])), "half a window: doubled"
+
+
+def test_rounds_behind_count_other_learners_work_only():
+    # 3,000 tokens merged since the base, 1,000 of them the learner's own, rounds of 1,000
+    assert merge.rounds_behind(5000, 2000, 1500, 500, 1000) == pytest.approx(2.0)
+    assert merge.rounds_behind(5000, 2000, 3500, 500, 1000) == 0.0, "only its own work: not behind"
+
+
+def test_a_merge_plan_weights_by_quantity_times_quality_and_counts_the_work():
+    plan = merge.plan_merge(
+        [merge.Waiting(1000, 10, 0.0), merge.Waiting(500, 10, 0.5)], round_tokens=3000, max_staleness_rounds=4
+    )
+    assert plan.weights == pytest.approx([0.8, 0.2])
+    assert plan.fraction == pytest.approx(0.5)
+    assert plan.staleness == [0.0, 0.5]
+    assert plan.mean_staleness == pytest.approx(0.2 * 0.5)
+
+
+def test_a_merge_plan_discounts_stale_deltas_and_clamps_those_beyond_the_bound():
+    # 2 rounds behind: discount 1/2; untracked base (inf): the bound's discount 1/4, staleness 4
+    plan = merge.plan_merge(
+        [merge.Waiting(100, 1, 2.0), merge.Waiting(100, 1, math.inf)], round_tokens=400, max_staleness_rounds=4,
+        staleness_gain=2.0,
+    )
+    raw = [0.5 * 100 * 100, 0.25 * 100 * 100]
+    assert plan.weights == pytest.approx([raw[0] / sum(raw), raw[1] / sum(raw)])
+    assert plan.fraction == pytest.approx((0.5 * 100 + 0.25 * 100) / 400)
+    assert plan.staleness == [2.0, 4.0]
+    assert plan.mean_staleness == pytest.approx(2.0 * (plan.weights[0] * 2.0 + plan.weights[1] * 4.0))
+
+
+def test_without_the_work_clock_every_merge_is_one_round():
+    plan = merge.plan_merge([merge.Waiting(100, 1, 0.0)], round_tokens=400, max_staleness_rounds=4, work_clock=False)
+    assert plan.fraction == 1.0
+
+
+def test_a_merge_is_split_into_its_first_round_and_the_backlog():
+    assert merge.split_fraction(0.25) == (0.25, 0.0)
+    assert merge.split_fraction(1.0) == (1.0, 0.0)
+    assert merge.split_fraction(3.5) == (1.0, 2.5)
+
+
+def test_the_buffer_decay_and_gain_keep_the_steady_state_at_g_over_one_minus_momentum():
+    d, gain = merge.buffer_decay_and_gain(0.9, 0.25, staleness=1.0)
+    assert d == pytest.approx(0.9**0.5)
+    assert gain == pytest.approx((1 - 0.9**0.5) / 0.1)
+    # the fixed point of buf = d * buf + gain * g is g / (1 - momentum), whatever f and s
+    assert gain / (1 - d) == pytest.approx(1 / 0.1)
+    assert merge.buffer_decay_and_gain(0.9, 1.0) == pytest.approx((0.9, 1.0))

@@ -1,6 +1,9 @@
 """An unreadable journal entry is never skipped: it holds an acknowledged delta (entries are
 written atomically, so a crash cannot tear one), and the outer optimizer refuses to start
-with an error naming the file, unless the checkpoint already covers that delta."""
+with an error naming the file, the learner and sequence, and what is wrong, unless the
+checkpoint already covers that delta. The same for an entry that reads back but cannot be
+the delta it was (its header is not covered by the digest), and for a merge record that
+names a delta the journal lacks."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 
 from outer_helpers import Remote, fingerprint, push, register, tiny_config
 
-from ddiloco.outer.journal import JournalCorrupt
+from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt, encode_entry, read_entry
 from ddiloco.outer.state import OuterState
 
 
@@ -39,7 +42,77 @@ def test_an_unreadable_acknowledged_delta_stops_the_restart_naming_the_file(tmp_
     with pytest.raises(JournalCorrupt) as info:
         OuterState(cfg, tmp_path)
     assert str(entry) in str(info.value)
+    assert "(learner 0, sequence 1)" in str(info.value)
+    assert (info.value.learner_id, info.value.seq) == (0, 1)
     assert entry.exists(), "the damaged entry must be left for the operator"
+
+
+def _rewrite_header(path, change) -> None:
+    """Change the entry's header and write it back whole: it still parses, and its payload
+    still matches the payload digest, as a header damaged on disk can."""
+    header, payload = read_entry(path)
+    change(header)
+    path.write_bytes(encode_entry(header, payload))
+
+
+def _other_fragment(h):
+    h.fragment = 5
+
+
+def _other_shape(h):
+    h.payload.tensors[0].shape[0] += 1
+
+
+def _no_steps(h):
+    h.inner_steps = 0
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (_other_fragment, "fragment 5 does not exist; this run has 1"),
+        (_other_shape, "has shape"),
+        (_no_steps, "inner_steps=0"),
+    ],
+)
+def test_a_journaled_delta_whose_header_no_longer_fits_the_run_stops_the_restart(tmp_path, change, reason):
+    cfg = tiny_config()
+    state = OuterState(cfg, tmp_path)
+    push(state, 0, 1, seed=0)
+    push(state, 1, 1, seed=1)
+    entry = tmp_path / "journal" / "00001-0000000001.delta"
+    _rewrite_header(entry, change)
+    with pytest.raises(JournalCorrupt) as info:
+        OuterState(cfg, tmp_path)
+    message = str(info.value)
+    assert f"journal entry {entry} (learner 1, sequence 1) is unreadable" in message
+    assert reason in message and "not a delta of this run" in message
+    assert entry.exists()
+
+
+def test_a_journaled_delta_a_merge_record_names_is_checked_too(tmp_path):
+    cfg = tiny_config()
+    state = OuterState(cfg, tmp_path)
+    push(state, 0, 1, seed=0)
+    assert state.merge(0, force=True)  # recorded in merges/, no checkpoint yet
+    entry = tmp_path / "journal" / "00000-0000000001.delta"
+    _rewrite_header(entry, _other_shape)
+    with pytest.raises(JournalCorrupt, match="has shape") as info:
+        OuterState(cfg, tmp_path)
+    assert str(entry) in str(info.value)
+
+
+def test_a_merge_record_naming_a_missing_delta_stops_the_restart(tmp_path):
+    cfg = tiny_config()
+    state = OuterState(cfg, tmp_path)
+    push(state, 0, 1, seed=0)
+    push(state, 1, 1, seed=1)
+    assert state.merge(0, force=True)
+    (tmp_path / "journal" / "00001-0000000001.delta").unlink()
+    with pytest.raises(MergeRecordCorrupt) as info:
+        OuterState(cfg, tmp_path)
+    record = tmp_path / "merges" / "0000000001.json"
+    assert str(record) in str(info.value) and "(learner 1, sequence 1)" in str(info.value)
 
 
 def test_an_unreadable_entry_the_checkpoint_covers_does_not_stop_the_restart(tmp_path):
@@ -54,9 +127,11 @@ def test_an_unreadable_entry_the_checkpoint_covers_does_not_stop_the_restart(tmp
     assert fingerprint(OuterState(cfg, tmp_path)) == before
 
 
-def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path):
+@pytest.mark.parametrize("damage", ["flipped-bit", "header-rewritten"])
+def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path, damage):
     """Over real processes: SIGKILL the outer optimizer with an acknowledged delta in its
-    journal, damage the entry, start it again: it exits non-zero and its log names the file."""
+    journal, damage the entry (its payload, or its header so that it still reads back),
+    start it again: it exits non-zero and its log names the file, learner and sequence."""
     from support import TINY_RUN, wait_serving, wait_until
 
     from ddiloco.launcher.processes import Cluster
@@ -72,12 +147,18 @@ def test_the_outer_process_exits_non_zero_on_a_damaged_journal(tmp_path):
         entry = next((tmp_path / "run" / "outer" / "journal").glob("*.delta"))
         os.killpg(outer.popen.pid, signal.SIGKILL)
         outer.popen.wait(10)
-        _damage(entry, "flipped-bit")
+        if damage == "flipped-bit":
+            _damage(entry, damage)
+        else:
+            _rewrite_header(entry, _other_shape)
 
         again = cluster.start_outer()
         assert again.popen.wait(120) != 0
         log = again.log_path.read_text()
         assert "cannot start" in log and str(entry) in log
+        assert f"(learner {a.learner_id}, sequence 1)" in log
+        if damage == "header-rewritten":
+            assert "has shape" in log
         assert "Traceback" not in log, "a damaged journal is a precise one-line error, not a traceback"
     finally:
         cluster.stop_all(grace=10)

@@ -171,27 +171,25 @@ def test_full_disk_on_checkpoints_keeps_merging_and_the_checkpoint_is_retried(ou
     assert json.loads((disk.path / latest / "state.json").read_text())["version"] == version
 
 
-def test_a_merge_whose_record_cannot_be_written_applies_nothing_and_runs_once_the_disk_has_room(tmp_path, monkeypatch):
+def test_a_merge_whose_record_cannot_be_written_applies_nothing_and_runs_once_the_disk_has_room(tmp_path):
     """The merge record is durable before a merge is applied; when it cannot be written the
     deltas stay pending (acknowledged, journaled) and the merge runs once there is room."""
-    import ddiloco.outer.state as state_mod
-
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)
     push(state, 0, 1, seed=0)
     push(state, 1, 1, seed=1)
     before = fingerprint(state)
-    real = state_mod.write_json
+    real = state.merge_journal.writer
 
     def full(path, data):
         raise StorageError(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
 
-    monkeypatch.setattr(state_mod, "write_json", full)
+    state.merge_journal.writer = full
     with pytest.raises(StorageError):
         state.merge(0, force=True)
     assert fingerprint(state) == before, "a merge without its durable record changed the model"
     assert state.pending_count() == 2
-    monkeypatch.setattr(state_mod, "write_json", real)
+    state.merge_journal.writer = real
     assert state.merge(0, force=True)
     assert state.version == 1 and state.pending_count() == 0
     after = fingerprint(state)

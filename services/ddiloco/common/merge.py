@@ -74,6 +74,13 @@ def staleness_rounds(tokens_merged_now: int, tokens_merged_at_base: int, round_t
     return max(0, tokens_merged_now - tokens_merged_at_base) / max(round_tokens, 1)
 
 
+def rounds_behind(merged_now: int, merged_at_base: int, own_now: int, own_at_base: int, round_tokens: int) -> float:
+    """Rounds of *other* learners' work merged since a delta's base version: the work merged
+    since the base minus the learner's own share of it, which is already in its local state."""
+    others = (merged_now - merged_at_base) - (own_now - own_at_base)
+    return staleness_rounds(others, 0, round_tokens)
+
+
 def staleness_discount(rounds: float, max_rounds: float, clamp: bool = False) -> float | None:
     """1 up to one round behind, then 1/rounds; beyond the bound None (refuse), or with
     ``clamp`` (an acknowledged delta, which must not be lost) the bound's discount."""
@@ -90,9 +97,69 @@ def quorum_size(quorum: int, live_learners: int) -> int:
     return max(1, min(quorum, live_learners))
 
 
+def quorum_met(distinct_learners: int, quorum: int, live_learners: int) -> bool:
+    """The one quorum rule: enough distinct learners have a delta waiting (``quorum_size``)."""
+    return distinct_learners >= quorum_size(quorum, live_learners)
+
+
 def work_fraction(infos: Sequence[DeltaInfo], round_tokens: int) -> float:
     """How much of one synchronous round the merged deltas stand for."""
     return sum(d.discount * d.tokens for d in infos) / max(round_tokens, 1)
+
+
+def rescale_to_window(tensors: Sequence[torch.Tensor], inner_steps: int, window_steps: int) -> list[torch.Tensor]:
+    """A delta of ``inner_steps`` brought to the size of one ``window_steps`` (H) window.
+
+    Every delta is brought to one window's size before it is combined: the work fraction
+    already counts how many steps it holds. Without this, a delta the uploader coalesced from
+    k windows (e.g. everything trained while the outer optimizer was down) would step k^2 too
+    far (a 34-window delta after an 8 s outage took the loss to 5e4), and short windows (a
+    fragment's first, a slow learner's under dynamic local updates, the last one at drain)
+    would count for less than their work.
+    """
+    if inner_steps == window_steps:
+        return list(tensors)
+    return [x * (window_steps / inner_steps) for x in tensors]
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A pending delta as the merge sees it: its work and how far behind its base is."""
+
+    tokens: int
+    inner_steps: int
+    rounds_behind: float  # math.inf when its base version is no longer tracked
+
+
+@dataclass(frozen=True)
+class MergePlan:
+    weights: list[float]  # per delta, summing to 1
+    fraction: float  # of one synchronous round (1.0 without the work clock)
+    staleness: list[float]  # per delta, rounds behind, capped at the bound
+    mean_staleness: float  # weighted staleness x gain: what shortens the momentum's memory
+
+
+def plan_merge(
+    deltas: Sequence[Waiting],
+    round_tokens: int,
+    max_staleness_rounds: float,
+    work_clock: bool = True,
+    staleness_gain: float = 1.0,
+) -> MergePlan:
+    """Weights, work fraction and staleness of one merge of ``deltas``.
+
+    An acknowledged delta is never dropped: one that grew staler than the bound while it
+    waited (or whose base fell out of tracking across a restart) gets the bound's discount.
+    """
+    infos, staleness = [], []
+    for d in deltas:
+        discount = staleness_discount(d.rounds_behind, max_staleness_rounds, clamp=True)
+        staleness.append(min(d.rounds_behind, max_staleness_rounds))
+        infos.append(DeltaInfo(d.tokens, d.inner_steps, discount))
+    weights = token_weights(infos)
+    fraction = work_fraction(infos, round_tokens) if work_clock else 1.0
+    mean_staleness = staleness_gain * sum(w * s for w, s in zip(weights, staleness))
+    return MergePlan(weights, fraction, staleness, mean_staleness)
 
 
 def combine(
@@ -163,6 +230,22 @@ def delta_linf_bound(
     return 2.0 * (move + steps * lr * weight_decay * (param_linf + move))
 
 
+def split_fraction(fraction: float) -> tuple[float, float]:
+    """The work-clock substeps of a merge worth ``fraction`` rounds: (the first round, at
+    most 1, taken as an ordinary step; the backlog beyond it, applied at unit gain)."""
+    first = min(fraction, 1.0)
+    return first, fraction - first
+
+
+def buffer_decay_and_gain(momentum: float, fraction: float, staleness: float = 0.0) -> tuple[float, float]:
+    """(d, gain) of the momentum buffer for a step of ``fraction`` <= 1 round:
+    ``buf <- d * buf + gain * g`` with ``d = momentum ** (f * (1 + staleness))`` and
+    ``gain = (1 - d) / (1 - momentum)``, so the buffer's steady state is ``g / (1 - momentum)``
+    whatever the fractions (``WorkClockNesterov.step``)."""
+    decay = momentum ** (fraction * (1.0 + staleness))
+    return decay, (1.0 - decay) / (1.0 - momentum)
+
+
 class WorkClockNesterov:
     """SGD with (Nesterov) momentum whose clock is learner work, not merge count.
 
@@ -202,11 +285,9 @@ class WorkClockNesterov:
             raise ValueError(f"staleness must be non-negative and finite, got {staleness}")
         if self.buffers is None:
             self.buffers = [torch.zeros_like(p) for p in params]
-        f = min(fraction, 1.0)
-        excess = fraction - f
+        f, excess = split_fraction(fraction)
         m = self.momentum
-        decay = m ** (f * (1.0 + staleness))
-        gain = (1.0 - decay) / (1.0 - m)
+        decay, gain = buffer_decay_and_gain(m, f, staleness)
         squared = 0.0
         for p, g, buf in zip(params, grads, self.buffers):
             buf.mul_(decay).add_(g, alpha=gain)

@@ -4,7 +4,8 @@ Every number a learner sends decides real work or real weight on the server: ``t
 weights the merge and advances every other learner's staleness clock, ``inner_steps`` sets
 the H rescaling, ``compute_seconds`` feeds the grace window, the values move the model. Each
 is validated for its *meaning* here, before the delta is journaled or queued, so a buggy or
-hostile caller gets a precise INVALID_ARGUMENT and the state does not change.
+hostile caller gets a precise refusal (``outer/errors.py``; INVALID_ARGUMENT on the wire,
+FAILED_PRECONDITION for a delta of another run or too stale) and the state does not change.
 
 Bounds and why
 --------------
@@ -23,18 +24,27 @@ Bounds and why
   lease would get the learner declared dead before it finished.
 * values: finite (the codec checks) and, per coordinate, within what that many AdamW steps
   at the run's peak learning rate can move a parameter (``merge.delta_linf_bound``).
+* tensors: the fragment's, by name, shape and dtype (float32), in order.
+* staleness: the base version is the fragment's or an older one still on its staleness
+  clock, at most ``max_staleness_rounds`` of other learners' work behind
+  (``merge.staleness_discount``).
+
+The same checks, but the magnitude, run again on a journaled delta after a restart
+(``recovery.py``): its header is not covered by the entry's digest.
 """
 
 from __future__ import annotations
 
 import math
 
-import grpc
+from typing import Sequence
+
 import torch
 
 from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
-from ddiloco.common.wire import Refused
+from ddiloco.outer.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from ddiloco.outer.records import Fragment
 
 MAX_BATCH_FACTOR = 16
 # A learner's sequence numbers go up by one per upload (a refused upload uses one up too).
@@ -49,21 +59,18 @@ def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds
     h = config.learner.inner_steps
     max_steps = config.learner.max_coalesce_windows * h
     if not 1 <= inner_steps <= max_steps:
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"inner_steps={inner_steps} is outside [1, {max_steps}] "
             f"(H={h} x at most {config.learner.max_coalesce_windows} coalesced windows)",
         )
     max_per_step = MAX_BATCH_FACTOR * step_weight
     if not inner_steps <= tokens <= inner_steps * max_per_step:
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"tokens={tokens} is not inner_steps ({inner_steps}) x a batch weight in [1, {max_per_step}] "
             f"({MAX_BATCH_FACTOR} x the run's step weight {step_weight})",
         )
     if not (math.isfinite(compute_seconds) and 0 <= compute_seconds <= inner_steps * config.lease_timeout_s):
-        raise Refused(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"compute_seconds={compute_seconds} is not a time {inner_steps} steps can take "
             f"(0 to {config.lease_timeout_s} s per step)",
         )
@@ -84,8 +91,63 @@ def check_magnitude(
         bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, p_linf)
         peak = linf(t)
         if peak > bound:
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidArgument(
                 f"tensor {name!r} changes a coordinate by {peak:.4g}; {inner_steps} AdamW steps at lr {lcfg.lr} "
                 f"can move it at most {bound:.4g}",
             )
+
+
+def check_address(config: RunConfig, run_id: str, seq: int, fragment: int, fragments: int) -> None:
+    """Refuse a delta of another run, a sequence below 1 or a fragment the run does not have."""
+    if run_id != config.run_id:
+        raise FailedPrecondition(f"delta is for run {run_id!r}, this is run {config.run_id!r}")
+    if seq < 1:
+        raise InvalidArgument(f"sequence numbers start at 1, got {seq}")
+    if not 0 <= fragment < fragments:
+        raise InvalidArgument(f"fragment {fragment} does not exist; this run has {fragments}")
+
+
+def check_tensors(fragment: int, specs, names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> None:
+    """Refuse a payload whose tensor specs (``PayloadInfo.tensors``) are not the fragment's
+    tensors ``names`` with ``shapes``, in order, as float32."""
+    if len(specs) != len(names):
+        raise InvalidArgument(f"delta has {len(specs)} tensors, fragment {fragment} has {len(names)}")
+    for spec, name, shape in zip(specs, names, shapes):
+        if spec.name != name:
+            raise InvalidArgument(f"tensor {spec.name!r} where {name!r} was expected")
+        if tuple(spec.shape) != tuple(shape):
+            raise InvalidArgument(f"tensor {name!r} has shape {tuple(spec.shape)}, expected {tuple(shape)}")
+        if spec.dtype != "float32":
+            raise InvalidArgument(f"tensor {name!r} has dtype {spec.dtype!r}, expected 'float32'")
+
+
+def check_staleness(
+    frag: Fragment, base_version: int, learner_id: int, own_now: int, round_tokens: int, max_rounds: float
+) -> float:
+    """Refuse a delta whose base is newer than the fragment, or too old; returns its
+    staleness discount. ``own_now``: the learner's tokens merged into ``frag`` so far."""
+    if base_version > frag.version:
+        raise FailedPrecondition(f"base version {base_version} is newer than fragment {frag.index}'s version {frag.version}")
+    if not frag.tracks(base_version):
+        raise FailedPrecondition(
+            f"delta is stale: base version {base_version} of fragment {frag.index} is no longer tracked "
+            f"(oldest {min(frag.tokens_at_version)})"
+        )
+    rounds = frag.rounds_behind(base_version, learner_id, own_now, round_tokens)
+    discount = merge.staleness_discount(rounds, max_rounds)
+    if discount is None:
+        raise FailedPrecondition(
+            f"delta is stale: {rounds:.2f} rounds of other learners' work merged into fragment {frag.index} "
+            f"since base version {base_version}, bound {max_rounds}"
+        )
+    return discount
+
+
+def check_sequence(learner_id: int, seq: int, last_accepted: int) -> None:
+    """Refuse a sequence already accepted (a retry: "have it") or one that jumps too far."""
+    if seq <= last_accepted:
+        raise AlreadyExists(f"learner {learner_id} sequence {seq} already accepted (last {last_accepted})")
+    if seq > last_accepted + MAX_SEQ_JUMP:
+        raise InvalidArgument(
+            f"learner {learner_id} sequence {seq} jumps more than {MAX_SEQ_JUMP} past its last accepted one ({last_accepted})"
+        )

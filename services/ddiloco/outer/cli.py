@@ -49,13 +49,13 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: svc.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop_event.set())
     from ddiloco.outer.checkpoint import CheckpointError
-    from ddiloco.outer.journal import JournalCorrupt
+    from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
 
     try:
         svc.start()
     except InterruptedError:
         return 0  # stopped by a signal before the coordinator answered
-    except (CheckpointError, JournalCorrupt) as exc:
+    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt) as exc:
         # state on disk that cannot be trusted: say which file and stop, no traceback
         print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)
         return 1

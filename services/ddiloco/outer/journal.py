@@ -1,8 +1,11 @@
-"""The delta journal: one file per acknowledged delta, written before the delta is
-acknowledged, so an acknowledged delta survives a crash of the outer optimizer.
+"""The journals: one file per acknowledged delta, written before the delta is acknowledged,
+so an acknowledged delta survives a crash of the outer optimizer; and one file per merge,
+written before the merge is applied, so every published version can be rebuilt.
 
 Layout: ``journal/LLLLL-SSSSSSSSSS.delta`` (learner id, sequence) holding a 4-byte header
-length, the serialized ``DeltaHeader`` and the payload exactly as received.
+length, the serialized ``DeltaHeader`` and the payload exactly as received;
+``merges/VVVVVVVVVV.json`` (global version) naming the deltas, weights, work fraction and
+staleness of the merge that made that version (``MergeJournal``).
 
 Why an unreadable entry stops the restart
 -----------------------------------------
@@ -17,18 +20,28 @@ to start (exit non-zero). The one exception: an entry the restored checkpoint al
 To start anyway, an operator moves the named file out of ``journal/``: the delta is then
 lost knowingly, and its learner's next sequence is still accepted.
 
+An entry is not recovered either: its digest covers the payload only, and the payload is the
+only copy of the learner's work (the learner dropped its copy once acknowledged), so there
+is nothing to rebuild it from; merging a guess would move the model with values no learner
+sent. The same holds for an entry that reads but cannot be the delta it was
+(``recovery.py`` checks it against the run, as admission did: the header is not digested).
+
+A merge record that is unreadable, skips a version or names a delta the journal lacks
+raises ``MergeRecordCorrupt``: the version it made was published, and cannot be rebuilt.
+
 A failed write (disk full, I/O error) raises ``durable.StorageError`` and leaves nothing
 behind: the caller refuses the delta with a retryable status and changes no state.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import struct
-from typing import Callable
+from typing import Callable, Iterator
 
-from ddiloco.common.durable import StorageError, write_bytes
+from ddiloco.common.durable import StorageError, write_bytes, write_json
 from ddiloco.common.wire import digest_matches, payload_format
 from ddiloco.v1 import outer_pb2
 
@@ -36,15 +49,31 @@ _NAME = re.compile(r"^(\d+)-(\d+)\.delta$")
 
 
 class JournalCorrupt(Exception):
-    """An acknowledged delta's journal entry cannot be read back."""
+    """An acknowledged delta's journal entry cannot be read back, or is not a delta of this run."""
 
     def __init__(self, path: pathlib.Path, reason: str) -> None:
+        path = pathlib.Path(path)
+        key = parse_name(path)
+        self.learner_id, self.seq = key if key is not None else (None, None)
+        which = f" (learner {self.learner_id}, sequence {self.seq})" if key is not None else ""
         super().__init__(
-            f"journal entry {path} is unreadable ({reason}); it holds an acknowledged delta the checkpoint does not "
-            f"cover, so the outer optimizer will not start without it. Restore the file, or move it out of "
+            f"journal entry {path}{which} is unreadable ({reason}); it holds an acknowledged delta the checkpoint "
+            f"does not cover, so the outer optimizer will not start without it. Restore the file, or move it out of "
             f"{path.parent} to drop that delta knowingly"
         )
         self.path = path
+        self.reason = reason
+
+
+class MergeRecordCorrupt(Exception):
+    """A merge record after the checkpoint cannot be replayed: the version it made is lost."""
+
+    def __init__(self, path: pathlib.Path, reason: str) -> None:
+        super().__init__(
+            f"merge record {path} cannot be replayed ({reason}); the version it made was published, so the outer "
+            f"optimizer will not start without it"
+        )
+        self.path = pathlib.Path(path)
         self.reason = reason
 
 
@@ -128,3 +157,33 @@ class DeltaJournal:
             header, payload = read_entry(path)
             out[key] = (path, header, payload)
         return out
+
+
+def record_name(version: int) -> str:
+    return f"{version:010d}.json"
+
+
+class MergeJournal:
+    """The merge records: which deltas, with which weights and work fraction, made each
+    version. Full precision (JSON floats round-trip), so a replay is bit-exact."""
+
+    def __init__(self, folder: pathlib.Path, writer: Callable[[pathlib.Path, dict], None] = write_json) -> None:
+        self.folder = pathlib.Path(folder)
+        self.writer = writer  # injectable: tests make it raise StorageError(ENOSPC)
+
+    def write(self, record: dict) -> pathlib.Path:
+        """Durable before it returns; raises ``StorageError`` (nothing written) on failure."""
+        path = self.folder / record_name(record["version"])
+        self.writer(path, record)
+        return path
+
+    def records(self) -> Iterator[tuple[pathlib.Path, dict]]:
+        """Every record, oldest version first; raises ``MergeRecordCorrupt`` for one that
+        does not parse."""
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                record = json.loads(path.read_text())
+                record["version"], record["fragment"], record["deltas"]  # noqa: B018 -- present
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                raise MergeRecordCorrupt(path, f"does not parse: {exc!r}") from exc
+            yield path, record

@@ -1,5 +1,11 @@
 """The outer-optimizer service: gRPC front of ``OuterState``, plus its background loops
-(merging, evaluation, watching the coordinator)."""
+(merging, evaluation, watching the coordinator, retrying checkpoints).
+
+``OuterService`` owns the service's state (``OuterState``, the learner registry, download
+views, partial uploads, timing, the evaluator); ``OuterServicer`` is the gRPC edge. The
+domain raises typed refusals (``outer/errors.py``); ``STATUS_OF`` is the one place where
+they become gRPC status codes, and ``status_message`` the one place the status becomes a
+protobuf message."""
 
 from __future__ import annotations
 
@@ -12,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import torch
 
 from ddiloco.common import auth
 from ddiloco.common.config import RunConfig
@@ -21,12 +26,16 @@ from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import RateLimited, RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel
 from ddiloco.common.security import Security
-from ddiloco.common.wire import Refused, add_outer_servicer, payload_info, reassemble, stream_frames
+from ddiloco.common.wire import Refused as WireRefused
+from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
+from ddiloco.outer import decision, errors
 from ddiloco.outer.downloads import DownloadViews
+from ddiloco.outer.evaluator import Evaluator
+from ddiloco.outer.known_learners import KnownLearners
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
+from ddiloco.outer.status import OuterStatus
 from ddiloco.outer.timing import SyncTiming
-from ddiloco.workloads.evaluate import evaluate
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,6 +57,57 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
+
+# the one place where the domain's refusals become gRPC status codes; the wire's own
+# refusals (a malformed stream or payload, ``common/wire.py``) carry theirs
+STATUS_OF = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def status_code(exc: errors.Refused | WireRefused) -> grpc.StatusCode:
+    return exc.code if isinstance(exc, WireRefused) else STATUS_OF[type(exc)]
+
+
+def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
+    return outer_pb2.OuterStatus(
+        run_id=st.run_id,
+        version=st.version,
+        outer_steps=st.outer_steps,
+        tokens_merged=st.tokens_merged,
+        pending_deltas=st.pending_deltas,
+        bytes_received=st.bytes_received,
+        model_parameters=st.model_parameters,
+        learners=[
+            outer_pb2.LearnerMergeStats(
+                learner_id=r.learner_id,
+                deltas_accepted=r.deltas_accepted,
+                deltas_merged=r.deltas_merged,
+                deltas_refused=r.deltas_refused,
+                tokens_merged=r.tokens_merged,
+                tokens_accepted=r.tokens_accepted,
+                last_seq=r.last_seq,
+            )
+            for r in st.learners
+        ],
+        fragments=[
+            outer_pb2.FragmentStatus(
+                fragment=f.fragment,
+                version=f.version,
+                tokens_merged=f.tokens_merged,
+                parameters=f.parameters,
+                merged_by_learner=f.merged_by_learner,
+                lead_seconds=f.lead_seconds,
+            )
+            for f in st.fragments
+        ],
+    )
+
 
 # who may call what (ddiloco.common.auth): only learners move or read the model, each as
 # itself; only the coordinator ends the run; anyone of the run may read the status
@@ -76,94 +136,8 @@ def bounded_stream(messages, max_messages: int, what: str):
     chunks costs the server a call per message without filling the payload bound."""
     for i, msg in enumerate(messages):
         if i >= max_messages:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: more than {max_messages} messages for its payload")
+            raise errors.InvalidArgument(f"{what}: more than {max_messages} messages for its payload")
         yield msg
-
-
-class KnownLearners:
-    """Which learner ids the coordinator has registered, refreshed on a miss."""
-
-    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
-        self._stub = stub
-        self._ids: set[int] = set()
-        self._live: int | None = None
-        self._members = 0
-        self._started = time.monotonic()
-        self._lock = threading.Lock()
-        self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
-        self.registered_outer = "?"  # the outer address the coordinator knows; "" once it forgot us
-
-    def refresh(self) -> None:
-        resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
-        with self._lock:
-            self._ids = {m.learner_id for m in resp.members}
-            self._live = sum(1 for m in resp.members if m.alive)
-            self._members = len(resp.members)
-            self.last_state = resp.state
-            self.registered_outer = resp.outer_address
-
-    def live_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
-        """Learners holding a lease, which bounds the quorum so a run whose learners died keeps
-        merging. Until the planned M have joined (or ``join_timeout_s`` passed) it is M: a
-        learner still starting up is not a dead one, and a synchronous run must not merge
-        its first arrivals alone."""
-        with self._lock:
-            joining = self._members < planned and time.monotonic() - self._started < join_timeout_s
-            if self._live is None or joining:
-                return planned
-            return self._live
-
-    def is_known(self, learner_id: int) -> bool:
-        with self._lock:
-            return learner_id in self._ids
-
-    def check(self, learner_id: int) -> None:
-        with self._lock:
-            if learner_id in self._ids:
-                return
-        try:
-            self.refresh()
-        except grpc.RpcError as exc:
-            raise Refused(
-                grpc.StatusCode.UNAVAILABLE, f"cannot confirm learner {learner_id} with the coordinator: {exc.code().name}"
-            ) from exc
-        with self._lock:
-            if learner_id not in self._ids:
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"learner {learner_id} is not registered with the coordinator")
-
-
-class Evaluator:
-    """Evaluates the global parameters on the workload's held-out batches, off the merge
-    path. A workload without a metric reports its accuracy as NaN on the wire (a proto
-    double has no "absent") and as null in events and reports."""
-
-    def __init__(self, config: RunConfig, state: OuterState, metrics: MetricsLog) -> None:
-        self.state = state
-        self.metrics = metrics
-        self.workload = state.workload
-        self.batches = self.workload.eval_batches()  # fixed: read once
-        self.model = self.workload.build_model()
-        self.lock = threading.Lock()
-        self.initial: tuple[float, float] | None = None
-        self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
-
-    def run_once(self) -> tuple[int, float, float]:
-        with self.lock:
-            version, _, arrays = self.state.snapshot()
-            if self.last is not None and self.last[0] == version:
-                return self.last
-            with torch.no_grad():
-                for p, (_, a) in zip(self.model.parameters(), arrays):
-                    p.copy_(torch.from_numpy(a))
-            loss, metric = evaluate(self.workload, self.model, self.batches)
-            acc = math.nan if metric is None else metric
-            self.last = (version, loss, acc)
-            if self.initial is None:
-                self.initial = (loss, acc)
-            self.metrics.event(
-                "eval", version=version, eval_loss=round(loss, 5), eval_accuracy=None if metric is None else round(metric, 5)
-            )
-            return self.last
 
 
 class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
@@ -178,6 +152,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             return self.auth.check(context.auth_context(), method, learner_id)
         except auth.AuthError as exc:
             auth.abort_on(context, exc)
+
+    def _refuse(self, context, exc: errors.Refused | WireRefused) -> None:
+        context.abort(status_code(exc), exc.message)
 
     def _limit(self, context, method: str, learner_id: int) -> None:
         try:
@@ -215,9 +192,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                 svc.known.check(header.learner_id)
             version, discount = svc.state.accept(header, payload)
             svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
-        except Refused as exc:
-            svc.metrics.event("delta_refused", code=exc.code.name, reason=exc.message)
-            context.abort(exc.code, exc.message)
+        except (errors.Refused, WireRefused) as exc:
+            svc.metrics.event("delta_refused", code=status_code(exc).name, reason=exc.message)
+            self._refuse(context, exc)
         except StorageError as exc:
             # the journal write failed before anything changed: not acknowledged, sequence not
             # consumed, so the learner's retry of the same delta is accepted once space is back
@@ -247,8 +224,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         try:
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
-        except Refused as exc:
-            context.abort(exc.code, exc.message)
+        except errors.Refused as exc:
+            self._refuse(context, exc)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
         enc, base = svc.downloads.encode_for(request.learner_id, request.fragment, request.have_version, version, arrays)
         header = outer_pb2.GlobalHeader(
@@ -281,8 +258,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._authorize(context, "Finalize")
         try:
             return self.svc.finalize()
-        except Refused as exc:
-            context.abort(exc.code, exc.message)
+        except errors.Refused as exc:
+            self._refuse(context, exc)
 
     def UploadOffset(self, request, context):
         svc = self.svc
@@ -294,8 +271,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not run {svc.config.run_id!r}")
         try:
             svc.known.check(header.learner_id)
-        except Refused as exc:
-            context.abort(exc.code, exc.message)
+        except errors.Refused as exc:
+            self._refuse(context, exc)
         return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
 
 
@@ -401,20 +378,17 @@ class OuterService:
         Only once the coordinator reports the run draining or finished, asked now rather
         than from the watch loop's cache (anyone can call this). Idempotent: the coordinator
         retries a Finalize whose answer it lost, and a retry gets the first answer without
-        merging or checkpointing again. Raises ``Refused``."""
+        merging or checkpointing again. Raises ``errors.Refused``."""
         with self._finalize_lock:
             if self._final is not None:
                 return self._final
             try:
                 self.known.refresh()
             except grpc.RpcError as exc:
-                raise Refused(
-                    grpc.StatusCode.UNAVAILABLE, f"cannot confirm the run state with the coordinator: {exc.code().name}"
-                ) from exc
+                raise errors.Unavailable(f"cannot confirm the run state with the coordinator: {exc.code().name}") from exc
             run_state = self.known.last_state
             if run_state not in FINAL_STATES:
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                raise errors.FailedPrecondition(
                     f"Finalize ends the run, but the coordinator reports it {coordinator_pb2.RunState.Name(run_state)}",
                 )
             self.state.merge_all(close=True)
@@ -441,7 +415,7 @@ class OuterService:
                 # and merging the first arrivals alone would make the others look stale. The
                 # hold ends as soon as they are all in, so even a process that crashes every
                 # few seconds still merges.
-                if all(len(ids) >= live for ids in state.pending_learners()):
+                if decision.everyone_in(state.pending_learners(), live):
                     self.recovery_until = 0.0
                 else:
                     with state.lock:
@@ -517,20 +491,20 @@ class OuterService:
             self.partials.keep(header, data)
 
     def resume_upload(self, header: outer_pb2.DeltaHeader) -> bytearray:
-        """The bytes held for a resumed upload (``header.offset`` of them), or Refused."""
+        """The bytes held for a resumed upload (``header.offset`` of them); raises
+        ``errors.OutOfRange`` when none are (the learner sends it from offset 0)."""
         if header.run_id == self.config.run_id:
             self.known.check(header.learner_id)
             data = self.partials.take(header)
             if data is not None:
                 return data
-        raise Refused(
-            grpc.StatusCode.OUT_OF_RANGE,
+        raise errors.OutOfRange(
             f"delta: offset {header.offset}, but no such part of this upload is held (held: "
             f"{self.partials.held(header)} bytes); send it from offset 0",
         )
 
     def status(self) -> outer_pb2.OuterStatus:
-        st = self.state.status()
+        st = status_message(self.state.status())
         st.ready = True
         if self.evaluator.initial:
             st.initial_eval_loss = self.evaluator.initial[0]

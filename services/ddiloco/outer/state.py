@@ -1,120 +1,65 @@
-"""The outer optimizer's state: global parameters split into fragments, each with its own
-version, momentum, staleness clock and pending deltas.
+"""The outer optimizer's state machine: global parameters split into fragments, each with
+its own version, momentum, staleness clock and pending deltas (``records.py``).
 
 Lifecycle of a delta
 --------------------
-1. ``accept()`` validates it (run id, sequence, fragment, staleness, shapes, finiteness),
-   writes it to the journal (atomically, fsynced) and only then returns: an acknowledged
-   delta survives a crash of this process and is merged after restart.
+1. ``accept()`` validates it (``admission.py``: run id, sequence, fragment, staleness,
+   shapes, work, magnitude), writes it to the journal (atomically, fsynced) and only then
+   returns: an acknowledged delta survives a crash of this process and is merged after
+   restart.
 2. ``merge(fragment)`` takes the fragment's pending deltas once the quorum (and grace
-   window, decided by the caller via ``due_fragments``) is met, weights them
-   (``ddiloco.common.merge``), takes one work-clock Nesterov step and bumps the versions.
+   window, decided by the caller via ``due_fragments``, ``decision.py``) is met, weights
+   them and takes one work-clock Nesterov step (``ddiloco.common.merge``), and bumps the
+   versions.
 3. Every ``checkpoint_every`` merges, ``checkpoint()`` writes parameters, momentum and the
-   last sequence applied per learner atomically, then drops the journal entries it covers.
+   last sequence applied per learner atomically (``checkpoint.py``), then drops the journal
+   entries it covers.
 
-Merges are journaled too (``merges/``): which deltas, with which weights and work fraction,
-made each version. The record is durable before the merge is applied, so no version is ever
-visible that a restart cannot rebuild: after a crash the outer optimizer loads its last
-checkpoint, re-applies the recorded merges in order (bit for bit the same parameters and
-versions as before the crash), then queues the journaled deltas no merge took. Versions
-therefore only ever increase, and no delta is applied twice.
+Merges are journaled too (``journal.MergeJournal``): which deltas, with which weights and
+work fraction, made each version. The record is durable before the merge is applied, so no
+version is ever visible that a restart cannot rebuild: after a crash the outer optimizer
+loads its last checkpoint, re-applies the recorded merges in order (bit for bit the same
+parameters and versions as before the crash), then queues the journaled deltas no merge
+took (``recovery.py``). Versions therefore only ever increase, and no delta is applied twice.
 
 Deltas are idempotent by (learner id, sequence): a sequence at or below the last one
-accepted is refused with ALREADY_EXISTS, which a retrying learner reads as "already have it".
+accepted is refused (``errors.AlreadyExists``), which a retrying learner reads as "already
+have it". Refusals are typed (``errors.py``); the servicer maps them to status codes.
+
+Everything a merge reads or writes is per fragment (its ``Fragment`` record, its merge
+decision, its merge records): the global ``version`` is only a count of merges. An outer
+shard owning a subset of the fragments builds only those records; what would change is
+which fragments ``__init__`` builds, and the fragment count a checkpoint is checked against
+(``recovery.load_checkpoint``).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import logging
+import math
 import pathlib
 import threading
 import time
-from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 import torch
 
 from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
-from ddiloco.common.durable import StorageError, write_json
+from ddiloco.common.durable import StorageError
 from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.wire import Refused, decode_payload
-from ddiloco.outer import admission
+from ddiloco.common.wire import Refused as WireRefused
+from ddiloco.common.wire import decode_payload
+from ddiloco.outer import admission, decision, recovery
+from ddiloco.outer.checkpoint import CheckpointStore
+from ddiloco.outer.errors import FailedPrecondition, Refused
+from ddiloco.outer.journal import DeltaJournal, MergeJournal
+from ddiloco.outer.records import Fragment, LearnerRecord, Pending
+from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
 from ddiloco.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LearnerRecord:
-    """Per learner; counters per fragment where work is counted per fragment."""
-
-    last_seq_accepted: int = 0
-    last_seq_applied: int = 0
-    accepted: int = 0
-    merged: int = 0
-    refused: int = 0
-    tokens_merged: dict[int, int] = field(default_factory=dict)  # fragment -> tokens
-    tokens_accepted: dict[int, int] = field(default_factory=dict)
-
-    def work(self, counter: dict[int, int], fragments: int) -> int:
-        """Tokens of this learner's work that every fragment has: the minimum over fragments."""
-        return min(counter.get(f, 0) for f in range(fragments))
-
-    def to_json(self) -> dict:
-        d = dict(vars(self))
-        d["tokens_merged"] = {str(k): v for k, v in self.tokens_merged.items()}
-        d["tokens_accepted"] = {str(k): v for k, v in self.tokens_accepted.items()}
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "LearnerRecord":
-        d = dict(d)
-        d["tokens_merged"] = {int(k): v for k, v in d.get("tokens_merged", {}).items()}
-        d["tokens_accepted"] = {int(k): v for k, v in d.get("tokens_accepted", {}).items()}
-        return cls(**d)
-
-
-@dataclass
-class Pending:
-    learner_id: int
-    seq: int
-    fragment: int
-    base_version: int
-    tokens: int
-    inner_steps: int
-    tensors: list[torch.Tensor]
-    journal_path: pathlib.Path | None
-    compute_seconds: float = 0.0
-    arrived: float = 0.0  # time.monotonic() at acceptance (0 for deltas replayed from the journal)
-
-
-@dataclass
-class Fragment:
-    index: int
-    tensor_ids: list[int]
-    optimizer: merge.WorkClockNesterov
-    version: int = 0
-    tokens_merged: int = 0
-    # cumulative tokens merged when each version was published: staleness is measured as
-    # work merged since a delta's base version ...
-    tokens_at_version: dict[int, int] = field(default_factory=lambda: {0: 0})
-    # ... minus the learner's own share: its own work is already in its local state
-    own_at_version: dict[int, dict[int, int]] = field(default_factory=lambda: {0: {}})
-    pending: list[Pending] = field(default_factory=list)
-    merged_by_learner: dict[int, int] = field(default_factory=dict)
-    quorum_since: float | None = None  # when the quorum was first met (grace window start)
-    # per learner: how long its delta in this fragment's last merge that held one waited for
-    # the last arrival of that merge (phase alignment; not durable, 0 after a restart)
-    leads: dict[int, float] = field(default_factory=dict)
-    # per tensor, its largest absolute value (admission's magnitude bound), computed once per
-    # version rather than once per arriving delta; cleared whenever a merge changes the params
-    param_linf: list[float] | None = None
-
 
 CLOSED_MESSAGE = "the run is finalized: no delta is acknowledged or merged any more"
 
@@ -128,7 +73,7 @@ class OuterState:
 
         self.config = config
         self.metrics = metrics or MetricsLog(None, "outer")
-        self.clock = time.monotonic  # arrival times (phase alignment); injectable for tests
+        self.clock = time.monotonic  # arrival times and grace windows; injectable for tests
         self.state_dir = state_dir
         self.workload = workload if workload is not None else load(config)
         model = self.workload.build_model()
@@ -153,11 +98,16 @@ class OuterState:
         self._merges_since_checkpoint = 0
         self._checkpoint_lock = threading.Lock()
         self.closed = False  # finalized: deltas are refused, no longer acknowledged (merge_all)
+        self.checkpoints: CheckpointStore | None = None
+        self.journal: DeltaJournal | None = None
+        self.merge_journal: MergeJournal | None = None
         if state_dir is not None:
-            (state_dir / "journal").mkdir(parents=True, exist_ok=True)
-            (state_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-            (state_dir / "merges").mkdir(parents=True, exist_ok=True)
-            self._restore()
+            for sub in ("journal", "checkpoints", "merges"):
+                (state_dir / sub).mkdir(parents=True, exist_ok=True)
+            self.checkpoints = CheckpointStore(state_dir)
+            self.journal = DeltaJournal(state_dir / "journal")
+            self.merge_journal = MergeJournal(state_dir / "merges")
+            recovery.restore(self)
 
     def _warm_start(self, path: pathlib.Path) -> None:
         """The initial parameters from ``path`` (``RunConfig.init_from``). Before any restore:
@@ -182,36 +132,19 @@ class OuterState:
     def accept(self, header: outer_pb2.DeltaHeader, payload: bytes) -> tuple[int, float]:
         """Validate, journal and queue one delta. Returns (fragment version, staleness discount).
 
-        Raises ``Refused`` with a precise status; on refusal nothing changes but counters.
+        Raises a typed ``errors.Refused`` (or the wire's ``Refused`` for a payload that does
+        not decode), ``StorageError`` when the journal cannot be written; on refusal nothing
+        changes but counters.
         """
         cfg = self.config
-        if header.run_id != cfg.run_id:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"delta is for run {header.run_id!r}, this is run {cfg.run_id!r}")
-        if header.seq < 1:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"sequence numbers start at 1, got {header.seq}")
-        if not 0 <= header.fragment < len(self.fragments):
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"fragment {header.fragment} does not exist; this run has {len(self.fragments)}"
-            )
+        admission.check_address(cfg, header.run_id, header.seq, header.fragment, len(self.fragments))
         admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.reference_weight())
         frag = self.fragments[header.fragment]
         with self._learner_lock(header.learner_id):
             with self.lock:
                 rec = self.learners.setdefault(header.learner_id, LearnerRecord())
-                if header.seq <= rec.last_seq_accepted:
-                    rec.refused += 1
-                    raise Refused(
-                        grpc.StatusCode.ALREADY_EXISTS,
-                        f"learner {header.learner_id} sequence {header.seq} already accepted (last {rec.last_seq_accepted})",
-                    )
-                if header.seq > rec.last_seq_accepted + admission.MAX_SEQ_JUMP:
-                    rec.refused += 1
-                    raise Refused(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"learner {header.learner_id} sequence {header.seq} jumps more than {admission.MAX_SEQ_JUMP} "
-                        f"past its last accepted one ({rec.last_seq_accepted})",
-                    )
                 try:
+                    admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted)
                     self._check_staleness(frag, header.base_version, header.learner_id)
                 except Refused:
                     rec.refused += 1
@@ -224,7 +157,7 @@ class OuterState:
                     admission.check_magnitude(
                         cfg, [self.names[i] for i in frag.tensor_ids], tensors, frag.param_linf, header.inner_steps
                     )
-            except Refused:
+            except (Refused, WireRefused):
                 with self.lock:
                     rec.refused += 1
                 raise
@@ -234,10 +167,8 @@ class OuterState:
                 if self.closed:  # finalized while this delta was being journaled: not acknowledged
                     if journal_path is not None:
                         journal_path.unlink(missing_ok=True)
-                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION, CLOSED_MESSAGE)
-                rec.last_seq_accepted = header.seq
-                rec.accepted += 1
-                rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
+                    raise FailedPrecondition(CLOSED_MESSAGE)
+                rec.count_accepted(frag.index, header.seq, header.tokens)
                 self.bytes_received += len(payload)
                 frag.pending.append(
                     Pending(
@@ -249,162 +180,123 @@ class OuterState:
                 self.lock.notify_all()
                 return frag.version, discount
 
-    def _check_staleness(self, frag: Fragment, base_version: int, learner_id: int) -> None:
-        if base_version > frag.version:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"base version {base_version} is newer than fragment {frag.index}'s version {frag.version}",
-            )
-        if base_version not in frag.tokens_at_version:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"delta is stale: base version {base_version} of fragment {frag.index} is no longer tracked "
-                f"(oldest {min(frag.tokens_at_version)})",
-            )
-        if self._discount(frag, base_version, learner_id) is None:
-            rounds = self._rounds_behind(frag, base_version, learner_id)
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"delta is stale: {rounds:.2f} rounds of other learners' work merged into fragment {frag.index} "
-                f"since base version {base_version}, bound {self.config.outer.max_staleness_rounds}",
-            )
+    def _own_tokens(self, frag: Fragment, learner_id: int) -> int:
+        rec = self.learners.get(learner_id)
+        return rec.tokens_merged.get(frag.index, 0) if rec else 0
 
     def _rounds_behind(self, frag: Fragment, base_version: int, learner_id: int) -> float:
         """Rounds of *other* learners' work merged into ``frag`` since ``base_version``."""
-        rec = self.learners.get(learner_id)
-        own_now = rec.tokens_merged.get(frag.index, 0) if rec else 0
-        own_then = frag.own_at_version.get(base_version, {}).get(learner_id, 0)
-        others = (frag.tokens_merged - frag.tokens_at_version[base_version]) - (own_now - own_then)
-        return merge.staleness_rounds(others, 0, self.workload.round_tokens())
+        return frag.rounds_behind(base_version, learner_id, self._own_tokens(frag, learner_id), self.workload.round_tokens())
+
+    def _check_staleness(self, frag: Fragment, base_version: int, learner_id: int) -> float:
+        return admission.check_staleness(
+            frag, base_version, learner_id, self._own_tokens(frag, learner_id), self.workload.round_tokens(),
+            self.config.outer.max_staleness_rounds,
+        )
 
     def _discount(self, frag: Fragment, base_version: int, learner_id: int) -> float | None:
-        if base_version not in frag.tokens_at_version:
+        if not frag.tracks(base_version):
             return None
         rounds = self._rounds_behind(frag, base_version, learner_id)
         return merge.staleness_discount(rounds, self.config.outer.max_staleness_rounds)
 
     def _decode(self, frag: Fragment, header: outer_pb2.DeltaHeader, payload: bytes) -> list[torch.Tensor]:
-        info = header.payload
-        if len(info.tensors) != len(frag.tensor_ids):
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"delta has {len(info.tensors)} tensors, fragment {frag.index} has {len(frag.tensor_ids)}",
-            )
-        for spec, i in zip(info.tensors, frag.tensor_ids):
-            name, param = self.names[i], self.params[i]
-            if spec.name != name:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {spec.name!r} where {name!r} was expected")
-            if tuple(spec.shape) != tuple(param.shape):
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"tensor {name!r} has shape {tuple(spec.shape)}, expected {tuple(param.shape)}",
-                )
-            if spec.dtype != "float32":
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"tensor {name!r} has dtype {spec.dtype!r}, expected 'float32'")
-        arrays = decode_payload(info, payload)
+        admission.check_tensors(
+            frag.index, header.payload.tensors, [self.names[i] for i in frag.tensor_ids],
+            [tuple(self.params[i].shape) for i in frag.tensor_ids],
+        )
+        arrays = decode_payload(header.payload, payload)
         return [torch.from_numpy(np.ascontiguousarray(a)) for _, a in arrays]
 
-    # ----------------------------------------------------------------- journal
     def _journal(self, header: outer_pb2.DeltaHeader, payload: bytes) -> pathlib.Path | None:
         """Durable before it returns. A failed write (disk full) raises ``StorageError`` with
         nothing written, before any state changed: the service answers with a retryable
         status and the learner sends the same sequence again (``outer/journal.py``)."""
-        if self.state_dir is None:
+        if self.journal is None:
             return None
         return self.journal.write(header, payload)
 
-    @staticmethod
-    def _read_journal(path: pathlib.Path) -> tuple[outer_pb2.DeltaHeader, bytes]:
-        from ddiloco.outer.journal import read_entry
-
-        return read_entry(path)
+    def _refuse_if_closed(self) -> None:
+        with self.lock:
+            if self.closed:
+                raise FailedPrecondition(CLOSED_MESSAGE)
 
     # ----------------------------------------------------------------- merging
     def due_fragments(self, live_learners: int, grace_s: float, now: float | None = None) -> list[int]:
-        """Fragments whose quorum is met and whose grace window is over (or not needed).
-
-        Quorum: ``min(K, live learners)`` distinct learners, so a run whose learners died
-        keeps merging. Grace: after the quorum, wait up to ``grace_s`` for the other live
-        learners, and merge at once when all of them are in.
-        """
-        now = time.monotonic() if now is None else now
-        out = []
+        """Fragments whose quorum is met and whose grace window is over (or not needed);
+        the rule is ``decision.due_fragments``. ``now`` defaults to ``self.clock()``."""
+        now = self.clock() if now is None else now
         with self.lock:
-            k = merge.quorum_size(self.config.outer.quorum, live_learners)
-            for frag in self.fragments:
-                distinct = len({p.learner_id for p in frag.pending})
-                if distinct < k:
-                    frag.quorum_since = None
-                    continue
-                if frag.quorum_since is None:
-                    frag.quorum_since = now
-                if distinct >= live_learners or now - frag.quorum_since >= grace_s:
-                    out.append(frag.index)
-        return out
+            due, since = decision.due_fragments(
+                [f.pending_learners() for f in self.fragments], [f.quorum_since for f in self.fragments],
+                self.config.outer.quorum, live_learners, grace_s, now,
+            )
+            for frag, started in zip(self.fragments, since):
+                frag.quorum_since = started
+            return due
 
     def pending_learners(self) -> list[set[int]]:
         """Per fragment, the learners with a delta waiting to be merged."""
         with self.lock:
-            return [{p.learner_id for p in f.pending} for f in self.fragments]
+            return [f.pending_learners() for f in self.fragments]
 
     def merge(self, fragment: int, force: bool = False) -> bool:
-        """Merge the fragment's pending deltas. Without ``force`` the quorum must be met."""
+        """Merge the fragment's pending deltas. Without ``force`` the quorum must be met, with
+        the planned learners as the live ones (the service decides with ``due_fragments``)."""
         frag = self.fragments[fragment]
+        ocfg = self.config.outer
         with self.lock:
             if not frag.pending:
                 return False
-            if not force and len({p.learner_id for p in frag.pending}) < merge.quorum_size(self.config.outer.quorum, self.config.learners):
+            if not force and not merge.quorum_met(len(frag.pending_learners()), ocfg.quorum, self.config.learners):
                 return False
             batch, frag.pending = frag.pending, []
             frag.quorum_since = None
-            infos, kept, staleness = [], [], []
-            for p in batch:
-                # acknowledged, so never dropped: one that grew staler than the bound while it
-                # waited (or whose base fell out of tracking across a restart) gets the bound's
-                # discount
-                rounds = self._rounds_behind(frag, p.base_version, p.learner_id) if p.base_version in frag.tokens_at_version else math.inf
-                discount = merge.staleness_discount(rounds, self.config.outer.max_staleness_rounds, clamp=True)
-                staleness.append(min(rounds, self.config.outer.max_staleness_rounds))
-                infos.append(merge.DeltaInfo(p.tokens, p.inner_steps, discount))
-                kept.append(p)
-            if kept:
-                weights = merge.token_weights(infos)
-                fraction = merge.work_fraction(infos, self.workload.round_tokens()) if self.config.outer.work_clock else 1.0
-                mean_staleness = self.config.outer.staleness_gain * sum(w * s for w, s in zip(weights, staleness))
-                try:
-                    self._journal_merge(frag, kept, weights, fraction, mean_staleness)  # durable before it is applied
-                except StorageError:
-                    # nothing applied: the deltas wait, acknowledged and journaled, for a retry
-                    frag.pending = batch + frag.pending
-                    raise
-                self._apply(
-                    frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in kept], weights, fraction, mean_staleness
-                )
-                if all(p.arrived > 0 for p in kept):
-                    last = max(p.arrived for p in kept)
-                    for p in kept:  # a learner's latest delta in the merge counts
-                        frag.leads[p.learner_id] = last - p.arrived
-                self.metrics.event(
-                    "merge",
-                    version=self.version,
-                    fragment=fragment,
-                    fragment_version=frag.version,
-                    deltas=[[p.learner_id, p.seq] for p in kept],
-                    weights=[round(w, 4) for w in weights],
-                    fraction=round(fraction, 4),
-                    staleness=[round(s, 3) for s in staleness],
-                    tokens_merged=self.tokens_merged,
-                    fragment_tokens_merged=frag.tokens_merged,
-                    step_norm=round(self.last_step_stats["step_norm"], 6),
-                    step_per_round=round(self.last_step_stats["step_norm"] / fraction, 6),
-                    momentum_norm=round(self.last_step_stats["momentum_norm"], 6),
-                )
+            plan = merge.plan_merge(
+                [
+                    merge.Waiting(
+                        p.tokens, p.inner_steps,
+                        self._rounds_behind(frag, p.base_version, p.learner_id) if frag.tracks(p.base_version) else math.inf,
+                    )
+                    for p in batch
+                ],
+                self.workload.round_tokens(), ocfg.max_staleness_rounds, ocfg.work_clock, ocfg.staleness_gain,
+            )
+            try:
+                self._journal_merge(frag, batch, plan)  # durable before it is applied
+            except StorageError:
+                # nothing applied: the deltas wait, acknowledged and journaled, for a retry
+                frag.pending = batch + frag.pending
+                raise
+            self._apply(
+                frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in batch],
+                plan.weights, plan.fraction, plan.mean_staleness,
+            )
+            if all(p.arrived > 0 for p in batch):
+                last = max(p.arrived for p in batch)
+                for p in batch:  # a learner's latest delta in the merge counts
+                    frag.leads[p.learner_id] = last - p.arrived
+            self.metrics.event(
+                "merge",
+                version=self.version,
+                fragment=fragment,
+                fragment_version=frag.version,
+                deltas=[[p.learner_id, p.seq] for p in batch],
+                weights=[round(w, 4) for w in plan.weights],
+                fraction=round(plan.fraction, 4),
+                staleness=[round(s, 3) for s in plan.staleness],
+                tokens_merged=self.tokens_merged,
+                fragment_tokens_merged=frag.tokens_merged,
+                step_norm=round(self.last_step_stats["step_norm"], 6),
+                step_per_round=round(self.last_step_stats["step_norm"] / plan.fraction, 6),
+                momentum_norm=round(self.last_step_stats["momentum_norm"], 6),
+            )
             self._merges_since_checkpoint += 1
             self.lock.notify_all()
-            due = self.state_dir is not None and self._merges_since_checkpoint >= self.config.outer.checkpoint_every
+            due = self.state_dir is not None and self._merges_since_checkpoint >= ocfg.checkpoint_every
         if due:
             self.checkpoint()
-        return bool(kept)
+        return True
 
     def _apply(
         self,
@@ -415,18 +307,11 @@ class OuterState:
         staleness: float = 0.0,
     ) -> None:
         """One outer step on ``frag`` from (learner, seq, tokens, tensors, inner steps) deltas;
-        bumps versions."""
-        fragment = frag.index
+        bumps versions. Also how a merge record is replayed (``recovery.py``)."""
         params = [self.params[i] for i in frag.tensor_ids]
         plain = [self.plain_average[i] for i in frag.tensor_ids]
-        # Every delta is brought to the size of one H-step window before it is combined: the
-        # work fraction already counts how many steps it holds. Without this, a delta the
-        # uploader coalesced from k windows (e.g. everything trained while the outer optimizer
-        # was down) would step k^2 too far (a 34-window delta after an 8 s outage took the loss
-        # to 5e4), and short windows (a fragment's first, a slow learner's under dynamic local
-        # updates, the last one at drain) would count for less than their work.
         h = self.config.learner.inner_steps
-        tensors = [t if steps == h else [x * (h / steps) for x in t] for _, _, _, t, steps in kept]
+        tensors = [merge.rescale_to_window(t, steps, h) for _, _, _, t, steps in kept]
         direction = merge.combine(tensors, weights, self.config.outer.merge_rule, plain)
         # One step whatever the fraction: a merge worth more than a round (a backlog) takes
         # its first round as an ordinary step and the rest at unit gain (merge module
@@ -438,35 +323,29 @@ class OuterState:
             "step_norm": step_norm,
             "momentum_norm": math.sqrt(sum(float(b.pow(2).sum()) for b in frag.optimizer.buffers or [])),
         }
-        frag.version += 1
         self.version += 1
         self.outer_steps += 1
         for learner_id, seq, tokens, _, _ in kept:
-            rec = self.learners.setdefault(learner_id, LearnerRecord())
-            rec.merged += 1
-            rec.tokens_merged[fragment] = rec.tokens_merged.get(fragment, 0) + tokens
-            rec.last_seq_applied = max(rec.last_seq_applied, seq)
+            self.learners.setdefault(learner_id, LearnerRecord()).count_merged(frag.index, seq, tokens)
             frag.merged_by_learner[learner_id] = frag.merged_by_learner.get(learner_id, 0) + 1
             frag.tokens_merged += tokens
-        frag.tokens_at_version[frag.version] = frag.tokens_merged
-        frag.own_at_version[frag.version] = {k: r.tokens_merged.get(fragment, 0) for k, r in self.learners.items()}
-        self._prune_versions(frag)
+        frag.publish_version({k: r.tokens_merged.get(frag.index, 0) for k, r in self.learners.items()})
+        frag.prune_versions(self.config.outer.max_staleness_rounds, self.workload.round_tokens())
 
-    def _journal_merge(
-        self, frag: Fragment, kept: list[Pending], weights: list[float], fraction: float, staleness: float
-    ) -> None:
-        if self.state_dir is None:
+    def _journal_merge(self, frag: Fragment, kept: list[Pending], plan: merge.MergePlan) -> None:
+        if self.merge_journal is None:
             return
-        record = {
-            "version": self.version + 1,
-            "fragment": frag.index,
-            "fragment_version": frag.version + 1,
-            "deltas": [[p.learner_id, p.seq] for p in kept],
-            "weights": list(weights),  # full precision: the replay must be bit-exact
-            "fraction": fraction,
-            "staleness": staleness,
-        }
-        write_json(self.state_dir / "merges" / f"{record['version']:010d}.json", record)
+        self.merge_journal.write(
+            {
+                "version": self.version + 1,
+                "fragment": frag.index,
+                "fragment_version": frag.version + 1,
+                "deltas": [[p.learner_id, p.seq] for p in kept],
+                "weights": list(plan.weights),  # full precision: the replay must be bit-exact
+                "fraction": plan.fraction,
+                "staleness": plan.mean_staleness,
+            }
+        )
 
     def merge_all(self, close: bool = False) -> None:
         """Merge whatever is pending in every fragment, quorum or not (end of run). With
@@ -478,21 +357,9 @@ class OuterState:
         for frag in self.fragments:
             self.merge(frag.index, force=True)
 
-    def _refuse_if_closed(self) -> None:
-        with self.lock:
-            if self.closed:
-                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, CLOSED_MESSAGE)
-
     def pending_count(self) -> int:
         with self.lock:
             return sum(len(f.pending) for f in self.fragments)
-
-    def _prune_versions(self, frag: Fragment) -> None:
-        # keep versions while a delta based on them could still be accepted
-        bound = (self.config.outer.max_staleness_rounds + 1) * self.workload.round_tokens()
-        for v in [v for v, t in frag.tokens_at_version.items() if frag.tokens_merged - t > bound and v != frag.version]:
-            del frag.tokens_at_version[v]
-            frag.own_at_version.pop(v, None)
 
     # ----------------------------------------------------------------- snapshots
     def snapshot(self, fragment: int | None = None) -> tuple[int, int, list[tuple[str, np.ndarray]]]:
@@ -517,10 +384,8 @@ class OuterState:
         in ``self.checkpoints.last_error`` and as a ``checkpoint_failed`` event, and retried
         at the next merge (the merge count is not reset) and by the service's retry loop.
         """
-        if self.state_dir is None:
+        if self.checkpoints is None:
             return None
-        from ddiloco.common.durable import StorageError
-
         with self._checkpoint_lock:
             try:
                 path = self._checkpoint()
@@ -535,27 +400,16 @@ class OuterState:
             return path
 
     def _checkpoint(self) -> pathlib.Path:
-        assert self.state_dir is not None
+        assert self.checkpoints is not None
         with self.lock:
-            # a journaled delta is covered once it is accepted and no longer pending (merged);
-            # by sequence alone is not enough when fragments merge out of order
             state = {
                 "run_id": self.config.run_id,
                 "version": self.version,
                 "outer_steps": self.outer_steps,
-                "fragments": [
-                    {
-                        "index": f.index,
-                        "tensors": [self.names[i] for i in f.tensor_ids],
-                        "version": f.version,
-                        "tokens_merged": f.tokens_merged,
-                        "tokens_at_version": {str(k): v for k, v in f.tokens_at_version.items()},
-                        "own_at_version": {str(k): {str(i): t for i, t in v.items()} for k, v in f.own_at_version.items()},
-                        "merged_by_learner": {str(k): v for k, v in f.merged_by_learner.items()},
-                    }
-                    for f in self.fragments
-                ],
+                "fragments": [f.to_json(self.names) for f in self.fragments],
                 "learners": {str(k): r.to_json() for k, r in self.learners.items()},
+                # a journaled delta is covered once it is accepted and no longer pending
+                # (merged); by sequence alone is not enough when fragments merge out of order
                 "pending": sorted([p.learner_id, p.seq] for f in self.fragments for p in f.pending),
             }
             merges, self._merges_since_checkpoint = self._merges_since_checkpoint, 0
@@ -576,130 +430,11 @@ class OuterState:
         self.metrics.event("checkpoint", version=state["version"], path=str(path), seconds=round(time.monotonic() - t0, 4))
         return path
 
-    def _restore(self) -> None:
-        """Load the newest complete checkpoint, replay the merge records after it, re-queue
-        the journaled deltas no merge took. Refuses to start (raises) rather than lose an
-        acknowledged delta or go back in versions: an unreadable journal entry the checkpoint
-        does not cover (``JournalCorrupt``), or a checkpoint fallback that cannot be brought
-        back to the version ``LATEST`` names (``CheckpointError``)."""
-        assert self.state_dir is not None
-        from ddiloco.outer.checkpoint import CheckpointError, CheckpointStore
-        from ddiloco.outer.journal import DeltaJournal
-
-        self.checkpoints = CheckpointStore(self.state_dir)
-        self.journal = DeltaJournal(self.state_dir / "journal")
-        # only this process writes here, and it has not started writing: any temporary is torn
-        removed = self.checkpoints.clean_temporaries()
-        if removed:
-            log.warning("removed %d torn temporaries: %s", len(removed), ", ".join(p.name for p in removed))
-            self.metrics.event("temporaries_removed", paths=[str(p) for p in removed])
-        loaded = self.checkpoints.load()
-        covered = lambda learner, seq: False  # noqa: E731 -- no checkpoint: nothing is covered
-        if loaded is not None:
-            path, tensors, state = loaded.path, loaded.tensors, loaded.state
-            for reason in loaded.skipped:
-                log.error("checkpoint not usable, falling back to an older one: %s", reason)
-                self.metrics.event("checkpoint_skipped", reason=reason)
-            if state["run_id"] != self.config.run_id:
-                raise CheckpointError(f"checkpoint in {path} belongs to run {state['run_id']!r}, not {self.config.run_id!r}")
-            if len(state["fragments"]) != len(self.fragments):
-                raise CheckpointError(f"checkpoint in {path} has {len(state['fragments'])} fragments, the run has {len(self.fragments)}")
-            self.params = [tensors[f"param/{n}"].clone() for n in self.names]
-            for frag, fs in zip(self.fragments, state["fragments"]):
-                if f"momentum/{self.names[frag.tensor_ids[0]]}" in tensors:
-                    frag.optimizer.buffers = [tensors[f"momentum/{self.names[i]}"].clone() for i in frag.tensor_ids]
-                frag.version = fs["version"]
-                frag.tokens_merged = fs["tokens_merged"]
-                frag.tokens_at_version = {int(k): v for k, v in fs["tokens_at_version"].items()}
-                frag.own_at_version = {int(k): {int(i): t for i, t in v.items()} for k, v in fs["own_at_version"].items()}
-                frag.merged_by_learner = {int(k): v for k, v in fs["merged_by_learner"].items()}
-            self.version = state["version"]
-            self.outer_steps = state["outer_steps"]
-            self.learners = {int(k): LearnerRecord.from_json(v) for k, v in state["learners"].items()}
-            accepted = {k: r.last_seq_accepted for k, r in self.learners.items()}
-            applied = {k: r.last_seq_applied for k, r in self.learners.items()}
-            if "pending" in state:
-                pending = {tuple(x) for x in state["pending"]}
-                covered = lambda learner, seq: seq <= accepted.get(learner, 0) and (learner, seq) not in pending  # noqa: E731
-            else:  # a checkpoint from before pending deltas were recorded
-                covered = lambda learner, seq: seq <= applied.get(learner, 0)  # noqa: E731
-            for rec in self.learners.values():
-                # what was accepted but not applied is re-counted from the journal below
-                rec.last_seq_accepted = rec.last_seq_applied
-                rec.accepted = rec.merged
-                rec.tokens_accepted = dict(rec.tokens_merged)
-            log.info("restored checkpoint %s (version %d)", path.name, self.version)
-            self.metrics.event("restore", version=self.version, path=str(path))
-        journal = self.journal.load(covered)  # raises JournalCorrupt naming the file
-        self._replay_merges(journal)
-        if loaded is not None and loaded.latest_version is not None and self.version < loaded.latest_version:
-            raise CheckpointError(
-                f"LATEST names version {loaded.latest_version}, but that checkpoint is not usable ({'; '.join(loaded.skipped)}) "
-                f"and the merge records only bring {loaded.path.name} to version {self.version}: refusing to go back in versions"
-            )
-        # re-queue every journaled delta no merge took: it was acknowledged
-        replayed = 0
-        for path, header, payload in journal.values():
-            rec = self.learners.setdefault(header.learner_id, LearnerRecord())
-            frag = self.fragments[header.fragment]
-            tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
-            # an acknowledged delta is merged even if its base version fell out of tracking
-            frag.tokens_at_version.setdefault(header.base_version, frag.tokens_merged)
-            frag.pending.append(
-                Pending(
-                    header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
-                    header.inner_steps, tensors, path, header.compute_seconds,
-                )
-            )
-            rec.last_seq_accepted = max(rec.last_seq_accepted, header.seq)
-            rec.accepted += 1
-            rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
-            replayed += 1
-        if replayed:
-            self.metrics.event("journal_replay", deltas=replayed)
-
-    def _replay_merges(self, journal: dict) -> None:
-        """Re-apply, in order, the merges recorded after the checkpoint; consumes their deltas
-        from ``journal``. Each record was durable before its merge was applied, and the deltas
-        it names stay journaled until a checkpoint covers the record."""
-        assert self.state_dir is not None
-        for path in sorted((self.state_dir / "merges").glob("*.json")):
-            record = json.loads(path.read_text())
-            if record["version"] <= self.version:
-                # covered by the checkpoint; kept until checkpoint.prune_covered drops it, since
-                # a fallback to the previous checkpoint would need it
-                continue
-            if record["version"] != self.version + 1:
-                raise RuntimeError(f"merge journal skips from version {self.version} to {record['version']} ({path})")
-            frag = self.fragments[record["fragment"]]
-            kept = []
-            for learner_id, seq in record["deltas"]:
-                if (learner_id, seq) not in journal:
-                    raise RuntimeError(f"merge record {path.name} names delta ({learner_id}, {seq}), missing from the journal")
-                _, header, payload = journal.pop((learner_id, seq))
-                tensors = [torch.from_numpy(np.ascontiguousarray(a)) for _, a in decode_payload(header.payload, payload)]
-                kept.append((learner_id, seq, header.tokens, tensors, header.inner_steps))
-                rec = self.learners.setdefault(learner_id, LearnerRecord())
-                rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
-                rec.accepted += 1
-                rec.tokens_accepted[frag.index] = rec.tokens_accepted.get(frag.index, 0) + header.tokens
-            # merge records of earlier versions may list deltas the merge refused as too stale
-            # (acknowledged deltas are no longer dropped, so records written now have none)
-            for learner_id, seq in record.get("dropped", []):
-                if journal.pop((learner_id, seq), None) is not None:
-                    rec = self.learners.setdefault(learner_id, LearnerRecord())
-                    rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
-                    rec.refused += 1
-            self._apply(frag, kept, record["weights"], record["fraction"], record.get("staleness", 0.0))
-            self.metrics.event(
-                "merge_replayed", version=self.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
-            )
-
     # ----------------------------------------------------------------- status
-    def status(self) -> outer_pb2.OuterStatus:
+    def status(self) -> OuterStatus:
         with self.lock:
             p = len(self.fragments)
-            return outer_pb2.OuterStatus(
+            return OuterStatus(
                 run_id=self.config.run_id,
                 version=self.version,
                 outer_steps=self.outer_steps,
@@ -708,7 +443,7 @@ class OuterState:
                 bytes_received=self.bytes_received,
                 model_parameters=sum(x.numel() for x in self.params),
                 learners=[
-                    outer_pb2.LearnerMergeStats(
+                    LearnerStatus(
                         learner_id=k,
                         deltas_accepted=r.accepted,
                         deltas_merged=r.merged,
@@ -720,13 +455,13 @@ class OuterState:
                     for k, r in sorted(self.learners.items())
                 ],
                 fragments=[
-                    outer_pb2.FragmentStatus(
+                    FragmentStatus(
                         fragment=f.index,
                         version=f.version,
                         tokens_merged=f.tokens_merged,
                         parameters=sum(self.params[i].numel() for i in f.tensor_ids),
-                        merged_by_learner=f.merged_by_learner,
-                        lead_seconds=f.leads,
+                        merged_by_learner=dict(f.merged_by_learner),
+                        lead_seconds=dict(f.leads),
                     )
                     for f in self.fragments
                 ],

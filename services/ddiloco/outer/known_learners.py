@@ -1,0 +1,63 @@
+"""Which learner ids the coordinator has registered, and how many hold a lease: the outer
+optimizer's view of membership, refreshed from the coordinator on a miss and by the
+service's watch loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from ddiloco.outer.errors import PermissionDenied, Unavailable
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+
+class KnownLearners:
+    """Which learner ids the coordinator has registered, refreshed on a miss."""
+
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+        self._stub = stub
+        self._ids: set[int] = set()
+        self._live: int | None = None
+        self._members = 0
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
+        self.registered_outer = "?"  # the outer address the coordinator knows; "" once it forgot us
+
+    def refresh(self) -> None:
+        resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+        with self._lock:
+            self._ids = {m.learner_id for m in resp.members}
+            self._live = sum(1 for m in resp.members if m.alive)
+            self._members = len(resp.members)
+            self.last_state = resp.state
+            self.registered_outer = resp.outer_address
+
+    def live_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
+        """Learners holding a lease, which bounds the quorum so a run whose learners died keeps
+        merging. Until the planned M have joined (or ``join_timeout_s`` passed) it is M: a
+        learner still starting up is not a dead one, and a synchronous run must not merge
+        its first arrivals alone."""
+        with self._lock:
+            joining = self._members < planned and time.monotonic() - self._started < join_timeout_s
+            if self._live is None or joining:
+                return planned
+            return self._live
+
+    def is_known(self, learner_id: int) -> bool:
+        with self._lock:
+            return learner_id in self._ids
+
+    def check(self, learner_id: int) -> None:
+        with self._lock:
+            if learner_id in self._ids:
+                return
+        try:
+            self.refresh()
+        except grpc.RpcError as exc:
+            raise Unavailable(f"cannot confirm learner {learner_id} with the coordinator: {exc.code().name}") from exc
+        with self._lock:
+            if learner_id not in self._ids:
+                raise PermissionDenied(f"learner {learner_id} is not registered with the coordinator")

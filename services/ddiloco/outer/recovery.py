@@ -1,0 +1,172 @@
+"""Bringing an ``OuterState`` back from its folder after a restart (or a crash).
+
+1. Load the newest complete checkpoint (``checkpoint.py``: falls back to an older one when
+   the newest is not complete).
+2. Replay, in order, the merge records written after it (``journal.MergeJournal``): bit for
+   bit the same parameters and versions as before the crash, so versions only ever increase.
+3. Re-queue every journaled delta no merge took: it was acknowledged, so it is merged.
+
+Refuses to start (raises) rather than lose an acknowledged delta or go back in versions:
+``JournalCorrupt`` for a journal entry the checkpoint does not cover that cannot be read or
+cannot be the delta it was, ``MergeRecordCorrupt`` for a merge record that cannot be
+replayed, ``CheckpointError`` for a checkpoint of another run or shape, or a fallback that
+cannot be brought back to the version ``LATEST`` names.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from ddiloco.common.wire import Refused as WireRefused
+from ddiloco.common.wire import decode_payload
+from ddiloco.outer import admission, errors
+from ddiloco.outer.checkpoint import CheckpointError
+from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
+from ddiloco.outer.records import Fragment, LearnerRecord, Pending
+from ddiloco.v1 import outer_pb2
+
+if TYPE_CHECKING:
+    from ddiloco.outer.state import OuterState
+
+log = logging.getLogger(__name__)
+
+Journaled = dict[tuple[int, int], tuple[pathlib.Path, outer_pb2.DeltaHeader, bytes]]
+
+
+def restore(state: "OuterState") -> None:
+    """Checkpoint, then merge records, then the journal; see the module docstring."""
+    removed = state.checkpoints.clean_temporaries()
+    # only this process writes here, and it has not started writing: any temporary is torn
+    if removed:
+        log.warning("removed %d torn temporaries: %s", len(removed), ", ".join(p.name for p in removed))
+        state.metrics.event("temporaries_removed", paths=[str(p) for p in removed])
+    loaded = state.checkpoints.load()
+    covered = load_checkpoint(state, loaded) if loaded is not None else (lambda learner, seq: False)
+    journal = state.journal.load(covered)  # raises JournalCorrupt naming the file
+    replay_merges(state, journal)
+    if loaded is not None and loaded.latest_version is not None and state.version < loaded.latest_version:
+        raise CheckpointError(
+            f"LATEST names version {loaded.latest_version}, but that checkpoint is not usable ({'; '.join(loaded.skipped)}) "
+            f"and the merge records only bring {loaded.path.name} to version {state.version}: refusing to go back in versions"
+        )
+    requeue(state, journal)
+
+
+def load_checkpoint(state: "OuterState", loaded) -> Callable[[int, int], bool]:
+    """Put the checkpoint ``loaded`` into ``state``; returns which (learner, seq) it covers
+    (merged into its parameters: their journal entries are not needed)."""
+    path, tensors, saved = loaded.path, loaded.tensors, loaded.state
+    for reason in loaded.skipped:
+        log.error("checkpoint not usable, falling back to an older one: %s", reason)
+        state.metrics.event("checkpoint_skipped", reason=reason)
+    if saved["run_id"] != state.config.run_id:
+        raise CheckpointError(f"checkpoint in {path} belongs to run {saved['run_id']!r}, not {state.config.run_id!r}")
+    if len(saved["fragments"]) != len(state.fragments):
+        raise CheckpointError(f"checkpoint in {path} has {len(saved['fragments'])} fragments, the run has {len(state.fragments)}")
+    state.params = [tensors[f"param/{n}"].clone() for n in state.names]
+    for frag, fs in zip(state.fragments, saved["fragments"]):
+        if f"momentum/{state.names[frag.tensor_ids[0]]}" in tensors:
+            frag.optimizer.buffers = [tensors[f"momentum/{state.names[i]}"].clone() for i in frag.tensor_ids]
+        frag.load_json(fs)
+    state.version = saved["version"]
+    state.outer_steps = saved["outer_steps"]
+    state.learners = {int(k): LearnerRecord.from_json(v) for k, v in saved["learners"].items()}
+    accepted = {k: r.last_seq_accepted for k, r in state.learners.items()}
+    applied = {k: r.last_seq_applied for k, r in state.learners.items()}
+    if "pending" in saved:
+        # a journaled delta is covered once it is accepted and no longer pending (merged);
+        # by sequence alone is not enough when fragments merge out of order
+        pending = {tuple(x) for x in saved["pending"]}
+        covered = lambda learner, seq: seq <= accepted.get(learner, 0) and (learner, seq) not in pending  # noqa: E731
+    else:  # a checkpoint from before pending deltas were recorded
+        covered = lambda learner, seq: seq <= applied.get(learner, 0)  # noqa: E731
+    for rec in state.learners.values():
+        rec.forget_unapplied()  # re-counted from the journal
+    log.info("restored checkpoint %s (version %d)", path.name, state.version)
+    state.metrics.event("restore", version=state.version, path=str(path))
+    return covered
+
+
+def journaled_delta(
+    state: "OuterState", path: pathlib.Path, header: outer_pb2.DeltaHeader, payload: bytes
+) -> tuple[Fragment, list[torch.Tensor]]:
+    """The fragment and tensors of a journal entry that read back whole, checked as admission
+    checked them when it was acknowledged (but for the magnitude, which depends on the
+    parameters of the time): the entry's digest covers its payload, not its header, so a
+    damaged header could otherwise put the delta on another fragment or crash the merge.
+    Raises ``JournalCorrupt`` naming the file, the learner, the sequence and what is wrong."""
+    try:
+        if not 0 <= header.fragment < len(state.fragments):
+            raise errors.InvalidArgument(f"fragment {header.fragment} does not exist; this run has {len(state.fragments)}")
+        if header.inner_steps < 1 or header.tokens < 1:
+            raise errors.InvalidArgument(f"inner_steps={header.inner_steps}, tokens={header.tokens}: not a window of work")
+        frag = state.fragments[header.fragment]
+        admission.check_tensors(
+            frag.index, header.payload.tensors, [state.names[i] for i in frag.tensor_ids],
+            [tuple(state.params[i].shape) for i in frag.tensor_ids],
+        )
+        arrays = decode_payload(header.payload, payload)
+    except (errors.Refused, WireRefused) as exc:
+        raise JournalCorrupt(path, f"it is not a delta of this run: {exc.message}") from exc
+    return frag, [torch.from_numpy(np.ascontiguousarray(a)) for _, a in arrays]
+
+
+def replay_merges(state: "OuterState", journal: Journaled) -> None:
+    """Re-apply, in order, the merges recorded after the checkpoint; consumes their deltas
+    from ``journal``. Each record was durable before its merge was applied, and the deltas
+    it names stay journaled until a checkpoint covers the record."""
+    for path, record in state.merge_journal.records():
+        if record["version"] <= state.version:
+            # covered by the checkpoint; kept until checkpoint.prune_covered drops it, since
+            # a fallback to the previous checkpoint would need it
+            continue
+        if record["version"] != state.version + 1:
+            raise MergeRecordCorrupt(path, f"the merge records skip from version {state.version} to {record['version']}")
+        if not 0 <= record["fragment"] < len(state.fragments):
+            raise MergeRecordCorrupt(path, f"fragment {record['fragment']} does not exist; this run has {len(state.fragments)}")
+        frag = state.fragments[record["fragment"]]
+        kept = []
+        for learner_id, seq in record["deltas"]:
+            if (learner_id, seq) not in journal:
+                raise MergeRecordCorrupt(
+                    path, f"it names delta (learner {learner_id}, sequence {seq}), missing from {state.journal.folder}"
+                )
+            entry, header, payload = journal.pop((learner_id, seq))
+            _, tensors = journaled_delta(state, entry, header, payload)
+            kept.append((learner_id, seq, header.tokens, tensors, header.inner_steps))
+            state.learners.setdefault(learner_id, LearnerRecord()).count_accepted(frag.index, seq, header.tokens)
+        # merge records of earlier versions may list deltas the merge refused as too stale
+        # (acknowledged deltas are no longer dropped, so records written now have none)
+        for learner_id, seq in record.get("dropped", []):
+            if journal.pop((learner_id, seq), None) is not None:
+                rec = state.learners.setdefault(learner_id, LearnerRecord())
+                rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
+                rec.refused += 1
+        state._apply(frag, kept, record["weights"], record["fraction"], record.get("staleness", 0.0))
+        state.metrics.event(
+            "merge_replayed", version=state.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
+        )
+
+
+def requeue(state: "OuterState", journal: Journaled) -> None:
+    """Queue every journaled delta no merge took: it was acknowledged."""
+    replayed = 0
+    for path, header, payload in journal.values():
+        frag, tensors = journaled_delta(state, path, header, payload)
+        # an acknowledged delta is merged even if its base version fell out of tracking
+        frag.tokens_at_version.setdefault(header.base_version, frag.tokens_merged)
+        frag.pending.append(
+            Pending(
+                header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
+                header.inner_steps, tensors, path, header.compute_seconds,
+            )
+        )
+        state.learners.setdefault(header.learner_id, LearnerRecord()).count_accepted(frag.index, header.seq, header.tokens)
+        replayed += 1
+    if replayed:
+        state.metrics.event("journal_replay", deltas=replayed)

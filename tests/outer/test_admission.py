@@ -1,0 +1,75 @@
+"""What a delta may claim (``outer/admission.py``), in-process: each rule raises a typed
+refusal with a message saying what was wrong; the gRPC codes are the servicer's
+(``test_servicer_errors.py``). Over real processes: ``test_bad_input.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.common import merge
+from ddiloco.common.config import RunConfig
+from ddiloco.v1 import common_pb2
+from ddiloco.outer import admission, errors
+from ddiloco.outer.records import Fragment
+
+
+def test_a_delta_of_another_run_is_a_failed_precondition():
+    with pytest.raises(errors.FailedPrecondition, match="for run 'other'"):
+        admission.check_address(RunConfig(run_id="this"), "other", 1, 0, 1)
+
+
+@pytest.mark.parametrize("seq, fragment, message", [(0, 0, "start at 1"), (1, 2, "fragment 2 does not exist")])
+def test_a_sequence_below_one_or_a_missing_fragment_is_invalid(seq, fragment, message):
+    with pytest.raises(errors.InvalidArgument, match=message):
+        admission.check_address(RunConfig(run_id="r"), "r", seq, fragment, 2)
+
+
+def test_a_sequence_already_accepted_already_exists_and_a_jump_is_invalid():
+    with pytest.raises(errors.AlreadyExists, match="already accepted"):
+        admission.check_sequence(3, 5, last_accepted=5)
+    with pytest.raises(errors.InvalidArgument, match="jumps"):
+        admission.check_sequence(3, 6 + admission.MAX_SEQ_JUMP, last_accepted=5)
+    admission.check_sequence(3, 5 + admission.MAX_SEQ_JUMP, last_accepted=5)
+
+
+def _spec(name, shape, dtype="float32"):
+    return common_pb2.TensorSpec(name=name, shape=list(shape), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "specs, message",
+    [
+        ([_spec("w", (2, 3))], "has 1 tensors, fragment 0 has 2"),
+        ([_spec("v", (2, 3)), _spec("b", (3,))], "'v' where 'w' was expected"),
+        ([_spec("w", (3, 2)), _spec("b", (3,))], r"shape \(3, 2\), expected \(2, 3\)"),
+        ([_spec("w", (2, 3)), _spec("b", (3,), "float16")], "dtype 'float16'"),
+    ],
+)
+def test_tensors_must_be_the_fragments_by_name_shape_and_dtype(specs, message):
+    with pytest.raises(errors.InvalidArgument, match=message):
+        admission.check_tensors(0, specs, ["w", "b"], [(2, 3), (3,)])
+
+
+def _fragment_at_version_2() -> Fragment:
+    frag = Fragment(0, [0], merge.WorkClockNesterov())
+    for step in (1, 2):
+        frag.tokens_merged = step * 1000
+        frag.publish_version({})
+    return frag
+
+
+def test_staleness_is_free_for_a_round_then_discounted_then_refused():
+    frag = _fragment_at_version_2()
+    assert admission.check_staleness(frag, 1, 0, 0, round_tokens=1000, max_rounds=4) == 1.0
+    assert admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=4) == pytest.approx(0.5)
+    with pytest.raises(errors.FailedPrecondition, match="2.00 rounds .* bound 1"):
+        admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=1)
+
+
+def test_a_base_newer_than_the_fragment_or_no_longer_tracked_is_refused():
+    frag = _fragment_at_version_2()
+    with pytest.raises(errors.FailedPrecondition, match="newer than fragment 0's version 2"):
+        admission.check_staleness(frag, 3, 0, 0, round_tokens=1000, max_rounds=4)
+    frag.prune_versions(max_staleness_rounds=0, round_tokens=500)
+    with pytest.raises(errors.FailedPrecondition, match="no longer tracked"):
+        admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=4)
