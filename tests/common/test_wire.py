@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ddiloco.common import codec, wire
+from ddiloco.common import codec, errors, wire
 from ddiloco.common.rpc import CLIENT_OPTIONS, SERVER_OPTIONS
 from ddiloco.common.transport import OuterClient
 from ddiloco.v1 import common_pb2, outer_pb2, outer_pb2_grpc
@@ -129,16 +129,16 @@ def test_an_unknown_format_or_compression_is_refused_by_name():
     enc = codec.encode([("w", np.ones(10, np.float32))], "int8", 64)
     info = wire.payload_info(enc)
     info.format = 3
-    with pytest.raises(wire.Refused) as err:
+    with pytest.raises(errors.InvalidArgument) as err:
         wire.decode_payload(info, enc.payload)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "payload format 3" in err.value.message
+    assert "payload format 3" in err.value.message
     info = wire.payload_info(enc)
     info.compression = 9
-    with pytest.raises(wire.Refused) as err:
+    with pytest.raises(errors.InvalidArgument) as err:
         wire.decode_payload(info, enc.payload)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown compression 9" in err.value.message
+    assert "unknown compression 9" in err.value.message
     info = wire.payload_info(enc)
     info.xxh3_128 = "0" * 32
-    with pytest.raises(wire.Refused) as err:
+    with pytest.raises(errors.DataLoss) as err:  # damaged in transit: sending again may succeed
         wire.decode_payload(info, enc.payload)
-    assert err.value.code == grpc.StatusCode.DATA_LOSS and "checksum" in err.value.message
+    assert "checksum" in err.value.message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from ddiloco.coordinator.errors import FailedPrecondition
+from ddiloco.common.errors import FailedPrecondition
 from ddiloco.coordinator.signature import check_signature, signature_of_model
 
 

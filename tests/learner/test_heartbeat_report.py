@@ -18,7 +18,7 @@ import time
 import pytest
 
 from ddiloco.common.config import RunConfig
-from ddiloco.coordinator.errors import InvalidArgument
+from ddiloco.common.errors import InvalidArgument
 from ddiloco.coordinator.stats_rules import Bounds, check_report, stats_to_dict
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.worker import Learner

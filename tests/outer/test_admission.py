@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.common import merge
+from ddiloco.common import errors, merge
 from ddiloco.common.config import RunConfig
 from ddiloco.v1 import common_pb2
-from ddiloco.outer import admission, errors
+from ddiloco.outer import admission
 from ddiloco.outer.records import Fragment
 
 

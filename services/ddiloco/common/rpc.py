@@ -7,6 +7,7 @@ it is enabled, plaintext only when it was explicitly made insecure."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -19,9 +20,45 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ddiloco.common import errors
 from ddiloco.common.security import Security
 
 log = logging.getLogger(__name__)
+
+# The one place where the domain's typed refusals (``common/errors.py``) become gRPC status
+# codes, for every service.
+STATUS_OF = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+def status_code(exc: errors.Refused) -> grpc.StatusCode:
+    """The status code of a refusal (of its nearest mapped class)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    raise TypeError(f"{type(exc).__name__} has no status code")
+
+
+@contextlib.contextmanager
+def refusals_as_status(context, on_refusal: Callable[[errors.Refused], None] | None = None):
+    """Inside a servicer method: a typed refusal raised in the block aborts the call with its
+    status code and message (after ``on_refusal``, e.g. a metrics event)."""
+    try:
+        yield
+    except errors.Refused as exc:
+        if on_refusal is not None:
+            on_refusal(exc)
+        context.abort(status_code(exc), exc.message)
+
 
 MAX_MESSAGE_BYTES = 8 << 20  # chunks are 1 MiB by default; this only bounds a misbehaving peer
 

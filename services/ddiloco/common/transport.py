@@ -8,11 +8,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ddiloco.common import codec
+from ddiloco.common import codec, errors
 from ddiloco.common.rpc import TRANSIENT, channel
 from ddiloco.common.wire import (
     OUTER_SERVICE,
-    Refused,
     chunk_parser,
     decode_payload,
     payload_info,
@@ -123,7 +122,7 @@ class OuterClient:
         return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
 
     def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, bytearray]:
-        """One fragment's download as received, not decoded; raises ``Refused`` for a stream
+        """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
         that is not one."""
         stream = self._pull(
             outer_pb2.PullGlobalRequest(
@@ -137,7 +136,7 @@ class OuterClient:
         try:
             header, payload = self.pull_payload(fragment, have_version, timeout)
             arrays = decode_payload(header.payload, payload)
-        except Refused as exc:
+        except errors.Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc
         return GlobalParams(
             header.fragment, header.version, header.tokens_merged, header.base_version, arrays, len(payload)

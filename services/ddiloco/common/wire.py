@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator
 import grpc
 
 from ddiloco.common import codec as codec_mod
+from ddiloco.common import errors
 from ddiloco.common.rpc import chunks
 from ddiloco.v1 import common_pb2, outer_pb2
 
@@ -31,14 +32,6 @@ PB_TO_CODEC = {v: k for k, v in CODEC_TO_PB.items()}
 COMPRESSION_TO_PB = {"none": common_pb2.COMPRESSION_NONE, "zstd": common_pb2.COMPRESSION_ZSTD}
 PB_TO_COMPRESSION = {v: k for k, v in COMPRESSION_TO_PB.items()}
 
-
-class Refused(Exception):
-    """Input refused with a gRPC status code and a message saying what was wrong."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def payload_info(enc: codec_mod.Encoded) -> common_pb2.PayloadInfo:
@@ -79,10 +72,10 @@ def specs_of(info: common_pb2.PayloadInfo) -> tuple[codec_mod.TensorSpec, ...]:
 def decode_payload(info: common_pb2.PayloadInfo, payload: bytes):
     """Decode a payload described by ``info``; codec errors become DATA_LOSS/INVALID_ARGUMENT."""
     if info.codec not in PB_TO_CODEC:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown codec {info.codec}")
+        raise errors.InvalidArgument(f"unknown codec {info.codec}")
     fmt = payload_format(info)
     if fmt == 2 and info.compression not in PB_TO_COMPRESSION:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"unknown compression {info.compression}")
+        raise errors.InvalidArgument(f"unknown compression {info.compression}")
     try:
         return codec_mod.decode(
             payload, PB_TO_CODEC[info.codec], info.block_size, specs_of(info),
@@ -93,7 +86,7 @@ def decode_payload(info: common_pb2.PayloadInfo, payload: bytes):
         msg = str(exc)
         # corruption in transit is DATA_LOSS; a payload that contradicts its header is INVALID_ARGUMENT
         lossy = msg.startswith(("checksum", "payload truncated", "payload is not valid"))
-        raise Refused(grpc.StatusCode.DATA_LOSS if lossy else grpc.StatusCode.INVALID_ARGUMENT, msg) from exc
+        raise (errors.DataLoss if lossy else errors.InvalidArgument)(msg) from exc
 
 
 def stream_messages(message_cls, header, payload: bytes, chunk_bytes: int) -> Iterator:
@@ -185,7 +178,7 @@ def reassemble(
 
     Resumable uploads: a header whose ``offset`` is not 0 continues a broken upload; after
     checking that the offset lies inside the declared size, ``resume(header)`` returns the
-    ``offset`` bytes held for it (or raises ``Refused``), and the stream's data follows them.
+    ``offset`` bytes held for it (or raises ``errors.Refused``), and the stream's data follows them.
     If the stream breaks (the peer cancels, the connection drops), ``on_break(header,
     bytes so far)`` may keep them for such a retry. Streams without either refuse offsets."""
     header = None
@@ -195,44 +188,39 @@ def reassemble(
         for i, msg in enumerate(messages):
             if i == 0:
                 if not msg.HasField("header"):
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the first message carries no header")
+                    raise errors.InvalidArgument(f"{what}: the first message carries no header")
                 header = msg.header
                 declared = header.payload.payload_bytes
                 if declared <= 0:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header declares {declared} payload bytes")
+                    raise errors.InvalidArgument(f"{what}: header declares {declared} payload bytes")
                 if declared > max_payload_bytes:
-                    raise Refused(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}",
+                    raise errors.ResourceExhausted(
+                        f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}"
                     )
                 offset = getattr(header, "offset", 0)  # uploads only
                 if offset:
                     if resume is None:
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: offset {offset}, but this stream does not resume")
+                        raise errors.InvalidArgument(f"{what}: offset {offset}, but this stream does not resume")
                     if not 0 < offset < declared:
-                        raise Refused(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{what}: offset {offset} lies outside the {declared} payload bytes the header declares",
+                        raise errors.InvalidArgument(
+                            f"{what}: offset {offset} lies outside the {declared} payload bytes the header declares"
                         )
                     buf = resume(header)
             elif msg.HasField("header"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: header repeated in message {i}")
+                raise errors.InvalidArgument(f"{what}: header repeated in message {i}")
             buf += msg.data
             if len(buf) > declared:
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{what}: received more than the {declared} payload bytes the header declares",
+                raise errors.InvalidArgument(
+                    f"{what}: received more than the {declared} payload bytes the header declares"
                 )
     except grpc.RpcError:  # the stream broke: what arrived may spare the retry a resend
         if on_break is not None and header is not None and buf:
             on_break(header, buf)
         raise
     if header is None:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty stream")
+        raise errors.InvalidArgument(f"{what}: empty stream")
     if len(buf) != declared:
-        raise Refused(
-            grpc.StatusCode.DATA_LOSS, f"{what}: truncated: header declares {declared} bytes, received {len(buf)}"
-        )
+        raise errors.DataLoss(f"{what}: truncated: header declares {declared} bytes, received {len(buf)}")
     return header, buf
 
 

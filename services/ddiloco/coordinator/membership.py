@@ -39,7 +39,7 @@ from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
-from ddiloco.coordinator.errors import (
+from ddiloco.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,

@@ -12,28 +12,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddiloco.common import auth
+from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
-from ddiloco.coordinator import errors
 from ddiloco.coordinator.membership import STATE_NAMES, Membership
 from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-# the one place where the domain's refusals become gRPC status codes
-STATUS_OF = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.NotFound: grpc.StatusCode.NOT_FOUND,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 # who may call what (ddiloco.common.auth): learners register and renew only themselves, only
 # the outer optimizer announces itself, anyone of the run may read its configuration
@@ -65,10 +54,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.auth = auth.Authorizer(svc.options.security, POLICY)
 
     def _guard(self, context, fn):
-        try:
+        with refusals_as_status(context):
             return fn()
-        except errors.Refused as exc:
-            context.abort(STATUS_OF[type(exc)], exc.message)
 
     def _authorize(self, context, method: str, learner_id: int | None = None):
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 
 from ddiloco.common.config import RunConfig
-from ddiloco.coordinator.errors import FailedPrecondition, InvalidArgument
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
 MAX_LISTED = 5  # differences named in a refusal; the rest are counted

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 from ddiloco.common.config import RunConfig
-from ddiloco.coordinator.errors import InvalidArgument
+from ddiloco.common.errors import InvalidArgument
 from ddiloco.v1 import common_pb2
 
 INT64_MAX = (1 << 63) - 1

@@ -4,7 +4,7 @@ Every number a learner sends decides real work or real weight on the server: ``t
 weights the merge and advances every other learner's staleness clock, ``inner_steps`` sets
 the H rescaling, ``compute_seconds`` feeds the grace window, the values move the model. Each
 is validated for its *meaning* here, before the delta is journaled or queued, so a buggy or
-hostile caller gets a precise refusal (``outer/errors.py``; INVALID_ARGUMENT on the wire,
+hostile caller gets a precise refusal (``common/errors.py``; INVALID_ARGUMENT on the wire,
 FAILED_PRECONDITION for a delta of another run or too stale) and the state does not change.
 
 Bounds and why
@@ -43,7 +43,7 @@ import torch
 
 from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
-from ddiloco.outer.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from ddiloco.outer.records import Fragment
 
 MAX_BATCH_FACTOR = 16

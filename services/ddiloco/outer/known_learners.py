@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from ddiloco.outer.errors import PermissionDenied, Unavailable
+from ddiloco.common.errors import PermissionDenied, Unavailable
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from ddiloco.common.wire import Refused as WireRefused
+from ddiloco.common import errors
 from ddiloco.common.wire import decode_payload
-from ddiloco.outer import admission, errors
+from ddiloco.outer import admission
 from ddiloco.outer.checkpoint import CheckpointError
 from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
@@ -111,7 +111,7 @@ def journaled_delta(
             [tuple(state.params[i].shape) for i in frag.tensor_ids],
         )
         arrays = decode_payload(header.payload, payload)
-    except (errors.Refused, WireRefused) as exc:
+    except errors.Refused as exc:
         raise JournalCorrupt(path, f"it is not a delta of this run: {exc.message}") from exc
     return frag, [torch.from_numpy(np.ascontiguousarray(a)) for _, a in arrays]
 

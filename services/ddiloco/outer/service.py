@@ -3,9 +3,9 @@
 
 ``OuterService`` owns the service's state (``OuterState``, the learner registry, download
 views, partial uploads, timing, the evaluator); ``OuterServicer`` is the gRPC edge. The
-domain raises typed refusals (``outer/errors.py``); ``STATUS_OF`` is the one place where
-they become gRPC status codes, and ``status_message`` the one place the status becomes a
-protobuf message."""
+domain raises typed refusals (``common/errors.py``); ``rpc.refusals_as_status`` turns them
+into gRPC status codes at this edge, and ``status_message`` is the one place the status
+becomes a protobuf message."""
 
 from __future__ import annotations
 
@@ -19,16 +19,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddiloco.common import auth
+from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import RateLimited, RateLimiter
-from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
-from ddiloco.common.wire import Refused as WireRefused
 from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
-from ddiloco.outer import decision, errors
+from ddiloco.outer import decision
 from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.evaluator import Evaluator
 from ddiloco.outer.known_learners import KnownLearners
@@ -57,21 +56,6 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
-
-# the one place where the domain's refusals become gRPC status codes; the wire's own
-# refusals (a malformed stream or payload, ``common/wire.py``) carry theirs
-STATUS_OF = {
-    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
-    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-}
-
-
-def status_code(exc: errors.Refused | WireRefused) -> grpc.StatusCode:
-    return exc.code if isinstance(exc, WireRefused) else STATUS_OF[type(exc)]
 
 
 def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
@@ -153,9 +137,6 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         except auth.AuthError as exc:
             auth.abort_on(context, exc)
 
-    def _refuse(self, context, exc: errors.Refused | WireRefused) -> None:
-        context.abort(status_code(exc), exc.message)
-
     def _limit(self, context, method: str, learner_id: int) -> None:
         try:
             self.limits.take((method, learner_id), f"{method} of learner {learner_id}")
@@ -184,17 +165,18 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         t0 = time.monotonic()
         messages = self._admit_push(request_iterator, context)
-        try:
-            header, payload = reassemble(
-                messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
-            )
-            if header.run_id == svc.config.run_id:
-                svc.known.check(header.learner_id)
-            version, discount = svc.state.accept(header, payload)
-            svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
-        except (errors.Refused, WireRefused) as exc:
+        def refused(exc: errors.Refused) -> None:
             svc.metrics.event("delta_refused", code=status_code(exc).name, reason=exc.message)
-            self._refuse(context, exc)
+
+        try:
+            with refusals_as_status(context, on_refusal=refused):
+                header, payload = reassemble(
+                    messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
+                )
+                if header.run_id == svc.config.run_id:
+                    svc.known.check(header.learner_id)
+                version, discount = svc.state.accept(header, payload)
+            svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
         except StorageError as exc:
             # the journal write failed before anything changed: not acknowledged, sequence not
             # consumed, so the learner's retry of the same delta is accepted once space is back
@@ -221,11 +203,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
         if not 0 <= request.fragment < len(svc.state.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {request.fragment} does not exist")
-        try:
+        with refusals_as_status(context):
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
-        except errors.Refused as exc:
-            self._refuse(context, exc)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
         enc, base = svc.downloads.encode_for(request.learner_id, request.fragment, request.have_version, version, arrays)
         header = outer_pb2.GlobalHeader(
@@ -256,10 +236,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def Finalize(self, request, context):
         self._authorize(context, "Finalize")
-        try:
+        with refusals_as_status(context):
             return self.svc.finalize()
-        except errors.Refused as exc:
-            self._refuse(context, exc)
 
     def UploadOffset(self, request, context):
         svc = self.svc
@@ -269,10 +247,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._limit(context, "UploadOffset", header.learner_id)
         if header.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not run {svc.config.run_id!r}")
-        try:
+        with refusals_as_status(context):
             svc.known.check(header.learner_id)
-        except errors.Refused as exc:
-            self._refuse(context, exc)
         return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
 
 

@@ -24,7 +24,7 @@ took (``recovery.py``). Versions therefore only ever increase, and no delta is a
 
 Deltas are idempotent by (learner id, sequence): a sequence at or below the last one
 accepted is refused (``errors.AlreadyExists``), which a retrying learner reads as "already
-have it". Refusals are typed (``errors.py``); the servicer maps them to status codes.
+have it". Refusals are typed (``common/errors.py``); the servicer maps them to status codes.
 
 Everything a merge reads or writes is per fragment (its ``Fragment`` record, its merge
 decision, its merge records): the global ``version`` is only a count of merges. An outer
@@ -49,11 +49,10 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.fragments import partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.wire import Refused as WireRefused
 from ddiloco.common.wire import decode_payload
 from ddiloco.outer import admission, decision, recovery
 from ddiloco.outer.checkpoint import CheckpointStore
-from ddiloco.outer.errors import FailedPrecondition, Refused
+from ddiloco.common.errors import FailedPrecondition, Refused
 from ddiloco.outer.journal import DeltaJournal, MergeJournal
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
 from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
@@ -157,7 +156,7 @@ class OuterState:
                     admission.check_magnitude(
                         cfg, [self.names[i] for i in frag.tensor_ids], tensors, frag.param_linf, header.inner_steps
                     )
-            except (Refused, WireRefused):
+            except Refused:
                 with self.lock:
                     rec.refused += 1
                 raise

@@ -1,0 +1,55 @@
+"""Typed refusals, shared by every service's domain code.
+
+Domain code (membership, admission, the outer state, the wire's payload checks) raises
+these and never picks a gRPC status code; the servicers turn them into one at the edge
+(``ddiloco.common.rpc.STATUS_OF``), so the rules can be tested and reused (by a shard, by a
+tool) without a server. A refusal means nothing was acknowledged: state changed at most in
+its counters. What each class means for a given call is said where it is raised."""
+
+from __future__ import annotations
+
+
+class Refused(Exception):
+    """A request the service will not act on."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(Refused):
+    """Malformed, or claims what no caller of this run can produce."""
+
+
+class DataLoss(Refused):
+    """A payload damaged in transit (checksum, truncation): sending it again may succeed."""
+
+
+class AlreadyExists(Refused):
+    """Already done: a repeated delta (a retrying learner reads it as "have it"), or a learner
+    id held by another live process."""
+
+
+class FailedPrecondition(Refused):
+    """Well formed, but not for this run or its current state (wrong run, draining, too
+    stale, finalized, a model that differs from the run's)."""
+
+
+class NotFound(Refused):
+    """The learner is not registered (any more)."""
+
+
+class PermissionDenied(Refused):
+    """The caller may not do this (a learner the coordinator does not know)."""
+
+
+class Unavailable(Refused):
+    """Not possible now; retrying later may succeed."""
+
+
+class ResourceExhausted(Refused):
+    """A bound of the run is reached (every learner id is held)."""
+
+
+class OutOfRange(Refused):
+    """A resumed upload names an offset of which nothing is held: send it from the start."""
