@@ -17,7 +17,14 @@ uploader's coalescing (uploads here are faster than a window), leases and failur
 Its grace window is the rule of the time of its findings, ``grace_gamma`` x (overlap x
 step - (upload + merge)), not the outer optimizer's current one (``ddiloco.outer.timing``):
 with one fixed step time and jitter the two differ only in how long a late learner is
-waited for, and the findings table stays reproducible.
+waited for, and the findings table stays reproducible. Likewise its staleness discount is
+by default the former rule (``discount_rule="one-round"``: free up to one round, then
+1/s); ``inverse`` is the outer optimizer's current ``merge.staleness_discount``, 1/(1+s).
+
+Disorder: ``stall_rate`` > 0 makes learners stall now and then (a descheduled process, a
+loaded host), which real runs on a shared machine do and a fixed jitter does not.
+
+    python bench/async_lab.py --discount-findings --jobs 2   # the staleness-discount table -> bench/results/async_lab_discount.json
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
@@ -79,6 +86,14 @@ class LabConfig:
     # start in lockstep, so windows end at different phases
     start_spread: float = 1.0
     slow: dict[int, float] = field(default_factory=dict)  # learner -> slowdown factor
+    # disorder: a learner stalls now and then (a descheduled process, a GC pause, a loaded
+    # host), on average ``stall_rate`` times per window, each stall lasting ``stall_steps``
+    # steps' time. Drawn from a stream of its own, so 0 leaves every other draw unchanged.
+    stall_rate: float = 0.0
+    stall_steps: float = 10.0
+    # how a delta's weight falls with staleness s (rounds of others' work since its base):
+    # "one-round" (merge.staleness_discount: 1 up to one round, then 1/s), "inverse" (1/(1+s))
+    discount_rule: str = "one-round"
     upload_s: float = 0.02
     merge_s: float = 0.005
     download_s: float = 0.02  # long-polled status + transfer (0.07 with a 0.1 s status poll)
@@ -99,7 +114,21 @@ VARIANTS: dict[str, dict] = {
     "quorum-all": {"quorum": 10**6},
     "fp32": {"codec": "fp32"},
     "instant-wire": {"upload_s": 0.0, "merge_s": 0.0, "download_s": 0.0},
+    "sync-stalls": {"sync": True, "codec": "fp32", "align": False, "stall_rate": 0.1},
+    "stalls": {"stall_rate": 0.1},
+    "stalls-inverse": {"stall_rate": 0.1, "discount_rule": "inverse"},
+    "inverse": {"discount_rule": "inverse"},
+    "no-align-inverse": {"align": False, "discount_rule": "inverse"},
+    "grace-0-inverse": {"grace_gamma": 0.0, "discount_rule": "inverse"},
 }
+
+# The staleness-discount findings of docs/algorithm.md: each variant with the former rule
+# and with 1/(1+s), at M = 4 and 8 (3M tokens).
+DISCOUNT_FINDINGS = [
+    (4, 3_000_000, ["sync", "ddiloco", "inverse", "stalls", "stalls-inverse", "no-align", "no-align-inverse",
+                    "grace-0", "grace-0-inverse"]),
+    (8, 3_000_000, ["sync", "ddiloco", "inverse", "stalls", "stalls-inverse"]),
+]
 
 # The findings of docs/algorithm.md: (learners, tokens, variants).
 FINDINGS = [
@@ -128,13 +157,17 @@ class Learner:
         self.incoming: tuple[int, int, list[torch.Tensor]] | None = None
         self.ef = codec_mod.ErrorFeedback()
         self.rng = rng
+        self.stall_rng = np.random.default_rng([cfg.seed, i, 7])
         self.slow = lab.slow.get(i, 1.0)
         self.waiting = False
         self.extra = 0  # steps added to the current window (phase alignment)
         self.lcfg = lcfg
 
     def step_time(self, lab: LabConfig) -> float:
-        return lab.step_s * self.slow * max(0.2, 1.0 + lab.jitter * float(self.rng.standard_normal()))
+        t = lab.step_s * self.slow * max(0.2, 1.0 + lab.jitter * float(self.rng.standard_normal()))
+        if lab.stall_rate > 0 and self.stall_rng.random() < lab.stall_rate / lab.inner_steps:
+            t += lab.stall_steps * lab.step_s
+        return t
 
     @torch.no_grad()
     def fold(self) -> None:
@@ -172,6 +205,15 @@ class Learner:
         enc = self.ef.encode(arrays, codec, block)
         dec = codec_mod.decode_encoded(enc)
         return [torch.from_numpy(np.ascontiguousarray(x)) for _, x in dec]
+
+
+def staleness_discount(rule: str, rounds: float) -> float:
+    """A delta's weight at ``rounds`` of others' work behind (already capped at the bound)."""
+    if rule == "one-round":  # the former rule: free for one round, then 1/rounds
+        return 1.0 if rounds <= 1.0 else 1.0 / rounds
+    if rule == "inverse":
+        return 1.0 / (1.0 + rounds)
+    raise ValueError(f"unknown discount rule {rule!r}")
 
 
 @dataclass
@@ -258,7 +300,7 @@ def run(lab: LabConfig, log=None) -> dict:
         infos, stale = [], []
         for d in batch:
             r = rounds_behind(d)
-            disc = merge.staleness_discount(r, lab.max_staleness_rounds, clamp=True)
+            disc = staleness_discount(lab.discount_rule, min(r, lab.max_staleness_rounds))
             stale.append(min(r, lab.max_staleness_rounds))
             infos.append(merge.DeltaInfo(d.tokens, d.steps, disc))
         weights = merge.token_weights(infos)
@@ -392,20 +434,22 @@ def main() -> int:
     ap.add_argument("--list-variants", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--findings", action="store_true", help="run the grid of docs/algorithm.md (FINDINGS)")
+    ap.add_argument("--discount-findings", action="store_true",
+                    help="run the staleness-discount grid of docs/algorithm.md (DISCOUNT_FINDINGS)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
     ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
     if args.list_variants:
         print(json.dumps(VARIANTS, indent=1))
         return 0
-    if args.findings:
-        grid = [(m, t, v) for m, t, vs in FINDINGS for v in vs]
+    if args.findings or args.discount_findings:
+        grid = [(m, t, v) for m, t, vs in (FINDINGS if args.findings else DISCOUNT_FINDINGS) for v in vs]
     else:
         grid = [(args.learners, args.tokens, v) for v in (args.variant or ["sync", "ddiloco"])]
     from common_bench import finish_provenance, start_provenance
 
     # virtual time: the losses do not depend on the machine's load, but the provenance is kept
-    prov = start_provenance(args.allow_dirty or not (args.findings or args.out), "async_lab")
+    prov = start_provenance(args.allow_dirty or not (args.findings or args.discount_findings or args.out), "async_lab")
     jobs = []
     for m, tokens, name in grid:
         lab = LabConfig(learners=m, tokens=tokens, seed=args.seed, **VARIANTS[name])
@@ -426,13 +470,15 @@ def main() -> int:
         for job in jobs:
             results.append(_job(job))
             _print(results[-1])
-    out = args.out or (ROOT / "bench" / "results" / "async_lab.json" if args.findings else None)
+    default_out = "async_lab.json" if args.findings else "async_lab_discount.json" if args.discount_findings else None
+    out = args.out or (ROOT / "bench" / "results" / default_out if default_out else None)
     if out:
         base = {(r["config"]["learners"], r["config"]["tokens"]): r for r in results if r["variant"] == "sync"}
         for r in results:
             ref = base.get((r["config"]["learners"], r["config"]["tokens"]))
             r["vs_sync"] = round(r["final_eval_loss"] / ref["final_eval_loss"] - 1, 5) if ref else None
-        command = "python bench/async_lab.py --findings" if args.findings else " ".join(sys.argv)
+        command = ("python bench/async_lab.py --findings" if args.findings
+                   else "python bench/async_lab.py --discount-findings" if args.discount_findings else " ".join(sys.argv))
         out.write_text(json.dumps({"command": command, **finish_provenance(prov), "rows": results}, indent=1))
     return 0
 

@@ -33,4 +33,22 @@ def test_every_variant_names_only_laboratory_fields():
     fields = {f.name for f in async_lab.dataclasses.fields(async_lab.LabConfig)}
     for name, overrides in async_lab.VARIANTS.items():
         assert set(overrides) <= fields, name
-    assert all(v in async_lab.VARIANTS for _, _, vs in async_lab.FINDINGS for v in vs)
+    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS):
+        assert all(v in async_lab.VARIANTS for _, _, vs in grid for v in vs)
+
+
+def test_stalls_change_arrivals_but_leave_every_other_draw_alone():
+    base, stalled = async_lab.run(_lab()), async_lab.run(_lab(stall_rate=2.0, stall_steps=5.0))
+    assert stalled["virtual_seconds"] > base["virtual_seconds"]  # the stalls took time
+    assert async_lab.run(_lab(stall_rate=0.0, stall_steps=99.0))["curve"] == base["curve"]
+
+
+def test_the_discount_rules_are_their_closed_forms():
+    assert async_lab.staleness_discount("one-round", 0.75) == 1.0
+    assert async_lab.staleness_discount("one-round", 2.0) == 0.5
+    assert async_lab.staleness_discount("inverse", 0.75) == 1 / 1.75
+    # the laboratory's "inverse" is the outer optimizer's rule
+    from ddiloco.common import merge
+
+    for s in (0.0, 0.3, 1.0, 3.9):
+        assert async_lab.staleness_discount("inverse", s) == merge.staleness_discount(s, 4.0)

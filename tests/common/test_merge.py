@@ -23,11 +23,12 @@ def test_equal_work_gets_equal_weight():
     assert w == pytest.approx([0.25] * 4)
 
 
-def test_staleness_discount_is_free_for_one_round_then_one_over_rounds_then_refused():
+def test_staleness_discount_is_one_over_one_plus_rounds_then_refused():
     assert merge.staleness_discount(0.0, 4) == 1.0
-    assert merge.staleness_discount(1.0, 4) == 1.0
-    assert merge.staleness_discount(2.0, 4) == pytest.approx(0.5)
-    assert merge.staleness_discount(4.0, 4) == pytest.approx(0.25)
+    assert merge.staleness_discount(0.25, 4) == pytest.approx(0.8)  # a late quarter round already costs
+    assert merge.staleness_discount(1.0, 4) == pytest.approx(0.5)
+    assert merge.staleness_discount(2.0, 4) == pytest.approx(1 / 3)
+    assert merge.staleness_discount(4.0, 4) == pytest.approx(0.2)
     assert merge.staleness_discount(4.01, 4) is None
 
 
@@ -165,7 +166,7 @@ def test_the_quorum_is_k_but_never_more_than_the_live_learners_and_at_least_one(
 
 def test_an_acknowledged_delta_beyond_the_bound_gets_the_bound_discount_instead_of_being_dropped():
     assert merge.staleness_discount(9.0, 4.0) is None
-    assert merge.staleness_discount(9.0, 4.0, clamp=True) == pytest.approx(0.25)
+    assert merge.staleness_discount(9.0, 4.0, clamp=True) == pytest.approx(0.2)
 
 
 def test_naive_per_arrival_steps_move_m_times_too_far():
@@ -242,21 +243,23 @@ def test_a_merge_plan_weights_by_quantity_times_quality_and_counts_the_work():
     plan = merge.plan_merge(
         [merge.Waiting(1000, 10, 0.0), merge.Waiting(500, 10, 0.5)], round_tokens=3000, max_staleness_rounds=4
     )
-    assert plan.weights == pytest.approx([0.8, 0.2])
-    assert plan.fraction == pytest.approx(0.5)
+    # the second is half a round behind: discount 1 / 1.5
+    raw = [1000 * 100, (1 / 1.5) * 500 * 50]
+    assert plan.weights == pytest.approx([raw[0] / sum(raw), raw[1] / sum(raw)])
+    assert plan.fraction == pytest.approx((1000 + 500 / 1.5) / 3000)
     assert plan.staleness == [0.0, 0.5]
-    assert plan.mean_staleness == pytest.approx(0.2 * 0.5)
+    assert plan.mean_staleness == pytest.approx(plan.weights[1] * 0.5)
 
 
 def test_a_merge_plan_discounts_stale_deltas_and_clamps_those_beyond_the_bound():
-    # 2 rounds behind: discount 1/2; untracked base (inf): the bound's discount 1/4, staleness 4
+    # 2 rounds behind: discount 1/3; untracked base (inf): the bound's discount 1/5, staleness 4
     plan = merge.plan_merge(
         [merge.Waiting(100, 1, 2.0), merge.Waiting(100, 1, math.inf)], round_tokens=400, max_staleness_rounds=4,
         staleness_gain=2.0,
     )
-    raw = [0.5 * 100 * 100, 0.25 * 100 * 100]
+    raw = [100 * 100 / 3, 100 * 100 / 5]
     assert plan.weights == pytest.approx([raw[0] / sum(raw), raw[1] / sum(raw)])
-    assert plan.fraction == pytest.approx((0.5 * 100 + 0.25 * 100) / 400)
+    assert plan.fraction == pytest.approx((100 / 3 + 100 / 5) / 400)
     assert plan.staleness == [2.0, 4.0]
     assert plan.mean_staleness == pytest.approx(2.0 * (plan.weights[0] * 2.0 + plan.weights[1] * 4.0))
 

@@ -58,10 +58,13 @@ def _fragment_at_version_2() -> Fragment:
     return frag
 
 
-def test_staleness_is_free_for_a_round_then_discounted_then_refused():
+def test_staleness_is_discounted_by_one_over_one_plus_rounds_then_refused():
     frag = _fragment_at_version_2()
-    assert admission.check_staleness(frag, 1, 0, 0, round_tokens=1000, max_rounds=4) == 1.0
-    assert admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=4) == pytest.approx(0.5)
+    assert admission.check_staleness(frag, 2, 0, 0, round_tokens=1000, max_rounds=4) == 1.0
+    assert admission.check_staleness(frag, 1, 0, 0, round_tokens=1000, max_rounds=4) == pytest.approx(0.5)
+    assert admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=4) == pytest.approx(1 / 3)
+    # its own work merged since its base is already in its local state: not staleness
+    assert admission.check_staleness(frag, 0, 0, 1000, round_tokens=1000, max_rounds=4) == pytest.approx(0.5)
     with pytest.raises(errors.FailedPrecondition, match="2.00 rounds .* bound 1"):
         admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=1)
 
