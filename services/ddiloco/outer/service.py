@@ -165,6 +165,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         t0 = time.monotonic()
         messages = self._admit_push(request_iterator, context)
+
         def refused(exc: errors.Refused) -> None:
             svc.metrics.event("delta_refused", code=status_code(exc).name, reason=exc.message)
 
