@@ -47,6 +47,9 @@ RESTART_GRACE_S = 10.0
 MAX_STATUS_WAIT_MS = 10_000
 # How often a failed checkpoint is tried again when no merge comes to retry it first.
 CHECKPOINT_RETRY_S = 5.0
+# How long shutdown waits for each background loop: an evaluation of the largest preset on
+# CPU takes seconds, the other loops wake within one second of the stop.
+SHUTDOWN_JOIN_S = 30.0
 # Download views are kept for the planned learners plus this many (at least): replacements
 # and rejoins get new ids while the old ones' views age out.
 VIEW_MARGIN = 8
@@ -345,6 +348,13 @@ class OuterService:
             pass
         if self.server:
             self.server.stop()
+        # let the loops see the stop before the interpreter exits: a daemon thread still inside
+        # torch (an evaluation) or grpc at exit aborts the process ("terminate called without
+        # an active exception", exit -6) instead of ending it cleanly
+        for t in self._threads:
+            t.join(timeout=SHUTDOWN_JOIN_S)
+            if t.is_alive():
+                log.warning("%s loop still running after %.0f s at shutdown", t.name, SHUTDOWN_JOIN_S)
         # a clean shutdown leaves nothing to replay from the journal; a failure is logged, and
         # the journal still covers everything for the next start
         self.state.checkpoint()
