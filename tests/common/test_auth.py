@@ -9,7 +9,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ddiloco.common import auth
+from ddiloco.common import auth, errors
 from ddiloco.common.certs import init_ca, issue, revoke
 from ddiloco.common.security import Security
 
@@ -49,22 +49,22 @@ def test_a_role_admitted_by_the_policy_passes_and_is_named(ca):
 
 
 def test_a_learner_acting_as_another_learner_is_denied(ca):
-    with pytest.raises(auth.PermissionDenied, match="acts only as learner 0, not as learner 1"):
+    with pytest.raises(errors.PermissionDenied, match="acts only as learner 0, not as learner 1"):
         authorizer(ca).check(ctx(ca / "learner-0"), "Push", learner_id=1)
 
 
 def test_a_role_outside_the_policy_is_denied(ca):
-    with pytest.raises(auth.PermissionDenied, match="may not call End"):
+    with pytest.raises(errors.PermissionDenied, match="may not call End"):
         authorizer(ca).check(ctx(ca / "learner-0"), "End")
 
 
 def test_a_method_missing_from_the_policy_is_denied_to_everyone(ca):
-    with pytest.raises(auth.PermissionDenied, match="allowed: nobody"):
+    with pytest.raises(errors.PermissionDenied, match="allowed: nobody"):
         authorizer(ca).check(ctx(ca / "coordinator"), "Unlisted")
 
 
 def test_a_call_without_a_client_certificate_is_unauthenticated(ca):
-    with pytest.raises(auth.Unauthenticated, match="no client certificate"):
+    with pytest.raises(errors.Unauthenticated, match="no client certificate"):
         authorizer(ca).check({"transport_security_type": [b"ssl"]}, "Read")
 
 
@@ -80,7 +80,7 @@ def test_a_certificate_with_an_unknown_role_is_denied(ca):
         .not_valid_before(ca_cert.not_valid_before_utc).not_valid_after(ca_cert.not_valid_after_utc)
         .sign(ca_key, hashes.SHA256())
     )
-    with pytest.raises(auth.PermissionDenied, match="unknown role 'admin'"):
+    with pytest.raises(errors.PermissionDenied, match="unknown role 'admin'"):
         authorizer(ca).check({"x509_pem_cert": [cert.public_bytes(serialization.Encoding.PEM)]}, "Read")
 
 
@@ -90,7 +90,7 @@ def test_a_revoked_certificate_is_refused_once_the_deny_list_is_reloaded(ca):
     a.check(ctx(ca / "learner-1"), "Push", learner_id=1)
     revoke(ca, name="learner-1")
     clock.t += auth.DENY_RELOAD_S  # the list is looked at again at most this often
-    with pytest.raises(auth.Unauthenticated, match="is revoked"):
+    with pytest.raises(errors.Unauthenticated, match="is revoked"):
         a.check(ctx(ca / "learner-1"), "Push", learner_id=1)
     a.check(ctx(ca / "learner-0"), "Push", learner_id=0)  # the others go on
 
@@ -100,12 +100,12 @@ def test_a_deny_list_that_turns_malformed_keeps_the_previous_one(ca):
     a = authorizer(ca, clock)
     revoke(ca, name="learner-1")
     clock.t += auth.DENY_RELOAD_S
-    with pytest.raises(auth.Unauthenticated):
+    with pytest.raises(errors.Unauthenticated):
         a.check(ctx(ca / "learner-1"), "Read")
     with open(ca / "revoked.txt", "a") as f:
         f.write("half-written line\n")
     clock.t += auth.DENY_RELOAD_S
-    with pytest.raises(auth.Unauthenticated):
+    with pytest.raises(errors.Unauthenticated):
         a.check(ctx(ca / "learner-1"), "Read")
 
 

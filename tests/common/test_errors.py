@@ -18,7 +18,21 @@ def _subclasses(cls):
 
 
 def test_every_refusal_class_has_a_status_code():
-    assert set(_subclasses(errors.Refused)) == set(STATUS_OF)
+    # the refusals other modules derive (authorization, rate limits) are loaded too
+    from ddiloco.common import auth, ratelimit  # noqa: F401
+
+    declared = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.Refused)}
+    assert declared - {errors.Refused} == set(STATUS_OF)
+    unmapped = [c.__name__ for c in _subclasses(errors.Refused) if not any(k in STATUS_OF for k in c.__mro__)]
+    assert unmapped == []
+
+
+def test_authorization_and_rate_refusals_have_their_codes():
+    from ddiloco.common.ratelimit import RateLimited
+
+    assert status_code(errors.Unauthenticated("revoked")) == grpc.StatusCode.UNAUTHENTICATED
+    assert status_code(errors.PermissionDenied("another learner")) == grpc.StatusCode.PERMISSION_DENIED
+    assert status_code(RateLimited("too many pulls", retry_after_s=0.5)) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_refusals_map_to_their_codes():
@@ -85,5 +99,6 @@ def test_the_domain_modules_pick_no_status_codes(service):
         module = importlib.import_module(f"ddiloco.{service}.{name}")
         source = open(module.__file__).read()
         assert "StatusCode" not in source and "_pb2.OuterStatus" not in source, module.__name__
-    wire_source = open(importlib.import_module("ddiloco.common.wire").__file__).read()
-    assert "StatusCode" not in wire_source
+    for shared in ("wire", "auth", "ratelimit"):
+        source = open(importlib.import_module(f"ddiloco.common.{shared}").__file__).read()
+        assert "StatusCode" not in source, shared

@@ -10,8 +10,9 @@ from the caller's certificate (``ddiloco.common.certs.Identity``):
   does not admit, or a learner acting as another learner id: ``PermissionDenied``.
 
 Each service states one ``Policy`` (method -> admitted roles); a method missing from it is
-refused to everyone (fail closed). Nothing here knows gRPC status codes: the servicers map
-these errors to status codes at their edge (``abort_on``).
+refused to everyone (fail closed). Both are typed refusals of ``ddiloco.common.errors``:
+nothing here knows gRPC status codes, the servicers' edge maps them
+(``ddiloco.common.rpc.refusals_as_status``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from typing import Callable, Mapping
 
 from ddiloco.common.certs import CertError, Identity, read_deny_list
+from ddiloco.common.errors import PermissionDenied, Unauthenticated
 from ddiloco.common.security import Security
 
 log = logging.getLogger(__name__)
@@ -37,26 +39,6 @@ COORDINATOR = frozenset({"coordinator"})
 Policy = Mapping[str, frozenset]
 
 DENY_RELOAD_S = 1.0  # how stale the deny list may be: far below any lease
-
-
-class AuthError(Exception):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class Unauthenticated(AuthError):
-    """The caller's credentials are not (any more) valid: none, or revoked."""
-
-
-class PermissionDenied(AuthError):
-    """Valid credentials, but not for this call: another role, or another learner's id."""
-
-
-def _status_codes() -> dict:
-    import grpc
-
-    return {Unauthenticated: grpc.StatusCode.UNAUTHENTICATED, PermissionDenied: grpc.StatusCode.PERMISSION_DENIED}
 
 
 class DenyList:
@@ -164,8 +146,3 @@ class Authorizer:
         if learner_id is not None and ident.role == "learner" and ident.learner_id != learner_id:
             raise PermissionDenied(f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {learner_id}")
         return ident
-
-
-def abort_on(context, exc: AuthError) -> None:
-    """End the call with the status of ``exc`` (the servicers' edge)."""
-    context.abort(_status_codes()[type(exc)], exc.message)

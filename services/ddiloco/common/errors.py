@@ -39,8 +39,13 @@ class NotFound(Refused):
     """The learner is not registered (any more)."""
 
 
+class Unauthenticated(Refused):
+    """The caller's credentials are not (any more) valid: none, or revoked."""
+
+
 class PermissionDenied(Refused):
-    """The caller may not do this (a learner the coordinator does not know)."""
+    """The caller may not do this: valid credentials of another role, a learner acting as
+    another learner id, or a learner the coordinator does not know."""
 
 
 class Unavailable(Refused):
@@ -48,7 +53,7 @@ class Unavailable(Refused):
 
 
 class ResourceExhausted(Refused):
-    """A bound of the run is reached (every learner id is held)."""
+    """A bound of the run is reached (every learner id is held, a caller's call rate)."""
 
 
 class OutOfRange(Refused):

@@ -13,13 +13,14 @@ import threading
 import time
 from typing import Callable, Hashable
 
+from ddiloco.common.errors import ResourceExhausted
 
-class RateLimited(Exception):
+
+class RateLimited(ResourceExhausted):
     """Too many calls of one kind from one caller; retrying after ``retry_after_s`` succeeds."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
-        self.message = message
         self.retry_after_s = retry_after_s
 
 

@@ -58,10 +58,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return fn()
 
     def _authorize(self, context, method: str, learner_id: int | None = None):
-        try:
+        with refusals_as_status(context):
             return self.auth.check(context.auth_context(), method, learner_id)
-        except auth.AuthError as exc:
-            auth.abort_on(context, exc)
 
     def Register(self, request, context):
         svc = self.svc
@@ -69,8 +67,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if ident is not None:
             # the certificate names the learner: it may ask for its own id or any (-1), and gets its own
             if request.requested_learner_id not in (-1, ident.learner_id):
-                auth.abort_on(context, auth.PermissionDenied(
-                    f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {request.requested_learner_id}"))
+                with refusals_as_status(context):
+                    raise errors.PermissionDenied(
+                        f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {request.requested_learner_id}"
+                    )
             own = coordinator_pb2.RegisterRequest()
             own.CopyFrom(request)
             own.requested_learner_id = ident.learner_id

@@ -50,7 +50,7 @@ from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.rpc import Server, call_with_retry, channel
+from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.group import Group, Solo, strided
@@ -94,10 +94,8 @@ class LearnerServicer(learner_pb2_grpc.LearnerServicer):
 
     def GetStatus(self, request, context):
         lr = self.learner
-        try:
+        with refusals_as_status(context):
             self.auth.check(context.auth_context(), "GetStatus")
-        except auth.AuthError as exc:
-            auth.abort_on(context, exc)
         return learner_pb2.LearnerStatus(
             run_id=lr.run_id, learner_id=lr.learner_id, phase=lr.phase, device=str(lr.device), stats=lr.stats.pb()
         )

@@ -23,7 +23,7 @@ from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.ratelimit import RateLimited, RateLimiter
+from ddiloco.common.ratelimit import RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
 from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
@@ -135,16 +135,12 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
 
     def _authorize(self, context, method: str, learner_id: int | None = None):
-        try:
+        with refusals_as_status(context):
             return self.auth.check(context.auth_context(), method, learner_id)
-        except auth.AuthError as exc:
-            auth.abort_on(context, exc)
 
     def _limit(self, context, method: str, learner_id: int) -> None:
-        try:
+        with refusals_as_status(context):  # RateLimited: RESOURCE_EXHAUSTED
             self.limits.take((method, learner_id), f"{method} of learner {learner_id}")
-        except RateLimited as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.message)
 
     def _admit_push(self, request_iterator, context):
         """The delta stream once its sender may push it: the header (first message) names the
