@@ -50,6 +50,9 @@ CHECKPOINT_RETRY_S = 5.0
 # How long shutdown waits for each background loop: an evaluation of the largest preset on
 # CPU takes seconds, the other loops wake within one second of the stop.
 SHUTDOWN_JOIN_S = 30.0
+# The shortest wait of the merge loop while deltas are pending: how late at most a grace
+# window's end is noticed when no delta arrives to wake it.
+MERGE_POLL_FLOOR_S = 0.01
 # Download views are kept for the planned learners plus this many (at least): replacements
 # and rejoins get new ids while the old ones' views age out.
 VIEW_MARGIN = 8
@@ -408,7 +411,12 @@ class OuterService:
             if not due:
                 with state.lock:
                     # woken by every accepted delta; the timeout lets a grace window expire
-                    state.lock.wait(min(0.05, grace) if state.pending_count() else 0.5)
+                    # and a lapsed lease lower the live count. Never below the floor: the grace
+                    # window is 0 until a step time is known, and whenever uploads, merges and
+                    # downloads take longer than a window, and a timeout of 0 would spin this
+                    # loop at a whole core, starving the handlers that accept the deltas it
+                    # waits for (16 learner ids took 2.5 s per delta of the tiny model so)
+                    state.lock.wait(max(MERGE_POLL_FLOOR_S, min(0.05, grace)) if state.pending_count() else 0.5)
                 continue
             for fragment in due:
                 t0 = time.monotonic()
