@@ -83,3 +83,11 @@ def test_audit_counts_lost_and_doubled_deltas_and_version_order():
               acked(4, 0, 2, 1.0), ev(5, "merge_replayed", "outer", version=2, deltas=[[0, 2]])]
     b = audit_events(replay)
     assert b.applied_twice == [] and b.acked_lost == [] and b.versions_monotonic
+    # the same merge record replayed after two crashes with no checkpoint between them (as a
+    # chaos run had it: version 241 rebuilt at each restart) is one merge; a record of another
+    # version holding the same delta is that delta applied twice
+    again = [acked(1, 0, 1, 1.0), ev(2, "merge_replayed", "outer", version=7, deltas=[[0, 1]]),
+             ev(3, "merge_replayed", "outer", version=7, deltas=[[0, 1]])]
+    assert audit_events(again).applied_twice == []
+    twice = again + [ev(4, "merge_replayed", "outer", version=8, deltas=[[0, 1]])]
+    assert audit_events(twice).applied_twice == [(0, 1)]

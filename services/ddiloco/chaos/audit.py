@@ -9,7 +9,9 @@
 
 Merges that an outer optimizer re-applied from its merge journal after a crash are logged as
 ``merge_replayed``; they count as applied only when the original ``merge`` event is missing
-(the crash fell between making the merge durable and logging it).
+(the crash fell between making the merge durable and logging it), and once per fragment
+version: a record replayed again after a second crash before any new checkpoint rebuilds
+the same version from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def audit_events(events: list[dict]) -> Audit:
         frag = int(e.get("fragment", 0))
         if (frag, int(e["version"])) in logged_versions:
             continue
+        # one merge record replayed after each of several crashes (no checkpoint between
+        # them) rebuilds the same version each time: one merge, counted once
+        logged_versions.add((frag, int(e["version"])))
         for lid, seq in e.get("deltas", []):
             per_fragment[frag][key(lid, seq)] += 1
     for counts in per_fragment.values():
