@@ -25,7 +25,11 @@ def test_a_restart_after_a_backlog_replays_merges_the_backlog_and_resumes(system
     # room for 8 windows per delta (default 4), so the four windows awaited below always fit
     # behind whatever was queued when the freeze began
     s = system_factory(learners=2, flags=["--eval-interval", "0.5", "--checkpoint-every", "5", "--max-coalesce-windows", "8"])
-    wait_until(lambda: len(s.events("merge")) >= 20, 240, "twenty merges")
+    # both learners training before the freeze: a learner still starting when the outer
+    # optimizer freezes waits for it and trains no backlog (a clean-clone CI run had twenty
+    # merges of learner 1 alone while learner 0 was still starting up)
+    wait_until(lambda: len(s.events("merge")) >= 20 and all(len(s.merges_with(lid)) >= 3 for lid in (0, 1)),
+               240, "twenty merges, at least three with each learner's deltas")
     freeze = s.chaos.inject("freeze", "outer")
     t_freeze = time.time()
     # while it is frozen, each learner trains several windows that queue up as a backlog
