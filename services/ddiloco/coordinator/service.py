@@ -63,14 +63,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     def Register(self, request, context):
         svc = self.svc
-        ident = self._authorize(context, "Register")
+        # the certificate names the learner: it may ask for its own id or any (-1), and gets its own
+        requested = request.requested_learner_id
+        ident = self._authorize(context, "Register", None if requested == -1 else requested)
         if ident is not None:
-            # the certificate names the learner: it may ask for its own id or any (-1), and gets its own
-            if request.requested_learner_id not in (-1, ident.learner_id):
-                with refusals_as_status(context):
-                    raise errors.PermissionDenied(
-                        f"{ident.describe()} acts only as learner {ident.learner_id}, not as learner {request.requested_learner_id}"
-                    )
             own = coordinator_pb2.RegisterRequest()
             own.CopyFrom(request)
             own.requested_learner_id = ident.learner_id
