@@ -67,9 +67,20 @@ class System:
         return self.learners[i].coordinator.Heartbeat(req, timeout=10)
 
     def pull(self, i: int, as_id: int | None = None, peer: Peer | None = None):
+        """The global fragment 0 as learner ``i`` reads it. The helpers read it as learner 1 for
+        every delta and state check, which can outrun the run's per-learner limit (20 calls/s,
+        burst 40) on a fast machine: like a real learner, a refusal for rate is waited out (one
+        call's worth of refill) and retried; any other refusal is the caller's to see."""
         req = outer_pb2.PullGlobalRequest(run_id=RUN, learner_id=i if as_id is None else as_id, have_version=-1, fragment=0)
-        chunks = list((peer or self.learners[i]).outer.PullGlobal(req, timeout=30))
-        return chunks[0].header, b"".join(c.data for c in chunks)
+        for _ in range(int(CALLS_PER_S * 10)):
+            try:
+                chunks = list((peer or self.learners[i]).outer.PullGlobal(req, timeout=30))
+                return chunks[0].header, b"".join(c.data for c in chunks)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                time.sleep(1.0 / CALLS_PER_S)
+        raise AssertionError("PullGlobal stayed rate-limited for 10 s: the limiter does not refill")
 
     def delta(self, learner_id: int, tokens: int = WINDOW_TOKENS, seq: int | None = None):
         """(header, payload) of a delta a real learner could send for ``learner_id``."""
