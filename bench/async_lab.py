@@ -19,12 +19,17 @@ step - (upload + merge)), not the outer optimizer's current one (``ddiloco.outer
 with one fixed step time and jitter the two differ only in how long a late learner is
 waited for, and the findings table stays reproducible. Likewise its staleness discount is
 by default the former rule (``discount_rule="one-round"``: free up to one round, then
-1/s); ``inverse`` is the outer optimizer's current ``merge.staleness_discount``, 1/(1+s).
+1/s); ``inverse`` is the absolute discount 1/(1+s), ``relative`` the outer optimizer's
+current rule (``merge.plan_merge``: 1/(1+s) relative to the run's typical discount).
 
 Disorder: ``stall_rate`` > 0 makes learners stall now and then (a descheduled process, a
-loaded host), which real runs on a shared machine do and a fixed jitter does not.
+loaded host): bursts of disorder, which real runs on a shared machine have and a fixed
+jitter does not. ``upload_spread`` > 0 makes every upload take a random extra time (an
+exponential, mean in windows): disorder as the steady state, as 16 learner processes on
+2 cores have.
 
     python bench/async_lab.py --discount-findings --jobs 2   # the staleness-discount table -> bench/results/async_lab_discount.json
+    python bench/async_lab.py --memory-findings --jobs 2     # the typical-discount table -> bench/results/async_lab_memory.json
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
@@ -91,9 +96,17 @@ class LabConfig:
     # steps' time. Drawn from a stream of its own, so 0 leaves every other draw unchanged.
     stall_rate: float = 0.0
     stall_steps: float = 10.0
+    # steady disorder: each upload takes an extra time drawn from an exponential of mean
+    # ``upload_spread`` windows (a link or a host whose speed varies from window to window:
+    # 16 learner processes on 2 cores, uploads over TLS), so deltas arrive out of phase all
+    # run long, which phase alignment cannot undo. A learner's uploads stay in order.
+    upload_spread: float = 0.0
     # how a delta's weight falls with staleness s (rounds of others' work since its base):
-    # "one-round" (merge.staleness_discount: 1 up to one round, then 1/s), "inverse" (1/(1+s))
+    # "one-round" (the former rule: 1 up to one round, then 1/s), "inverse" (1/(1+s)),
+    # "relative" (1/(1+s) relative to the run's typical discount over ``memory_rounds``:
+    # merge.plan_merge as the outer optimizer runs it)
     discount_rule: str = "one-round"
+    memory_rounds: float = 10.0
     upload_s: float = 0.02
     merge_s: float = 0.005
     download_s: float = 0.02  # long-polled status + transfer (0.07 with a 0.1 s status poll)
@@ -120,6 +133,11 @@ VARIANTS: dict[str, dict] = {
     "inverse": {"discount_rule": "inverse"},
     "no-align-inverse": {"align": False, "discount_rule": "inverse"},
     "grace-0-inverse": {"grace_gamma": 0.0, "discount_rule": "inverse"},
+    "relative": {"discount_rule": "relative"},
+    "stalls-relative": {"stall_rate": 0.1, "discount_rule": "relative"},
+    "spread": {"upload_spread": 0.5},
+    "spread-inverse": {"upload_spread": 0.5, "discount_rule": "inverse"},
+    "spread-relative": {"upload_spread": 0.5, "discount_rule": "relative"},
 }
 
 # The staleness-discount findings of docs/algorithm.md: each variant with the former rule
@@ -128,6 +146,17 @@ DISCOUNT_FINDINGS = [
     (4, 3_000_000, ["sync", "ddiloco", "inverse", "stalls", "stalls-inverse", "no-align", "no-align-inverse",
                     "grace-0", "grace-0-inverse"]),
     (8, 3_000_000, ["sync", "ddiloco", "inverse", "stalls", "stalls-inverse"]),
+]
+
+# The typical-discount findings of docs/algorithm.md: the absolute discount 1/(1+s) against
+# the same discount relative to the run's typical one (``relative``, the outer optimizer's
+# default), calm, with bursts of disorder (stalls, M = 4) and with steady disorder (upload
+# spread, M = 16), early (3M tokens) and over long training (12M). The long runs come first
+# so that two jobs finish together.
+MEMORY_FINDINGS = [
+    (16, 12_000_000, ["sync", "spread-inverse", "spread-relative"]),
+    (16, 3_000_000, ["sync", "inverse", "relative", "spread-inverse", "spread-relative"]),
+    (4, 3_000_000, ["sync", "inverse", "relative", "stalls-inverse", "stalls-relative"]),
 ]
 
 # The findings of docs/algorithm.md: (learners, tokens, variants).
@@ -158,6 +187,8 @@ class Learner:
         self.ef = codec_mod.ErrorFeedback()
         self.rng = rng
         self.stall_rng = np.random.default_rng([cfg.seed, i, 7])
+        self.upload_rng = np.random.default_rng([cfg.seed, i, 11])
+        self.last_arrival = 0.0
         self.slow = lab.slow.get(i, 1.0)
         self.waiting = False
         self.extra = 0  # steps added to the current window (phase alignment)
@@ -168,6 +199,14 @@ class Learner:
         if lab.stall_rate > 0 and self.stall_rng.random() < lab.stall_rate / lab.inner_steps:
             t += lab.stall_steps * lab.step_s
         return t
+
+    def upload_time(self, lab: LabConfig, now: float) -> float:
+        """When this learner's upload started ``now`` arrives: after its previous one."""
+        t = now + lab.upload_s
+        if lab.upload_spread > 0:
+            t += float(self.upload_rng.exponential(lab.upload_spread * lab.inner_steps * lab.step_s))
+        self.last_arrival = max(t, self.last_arrival + 1e-6)
+        return self.last_arrival
 
     @torch.no_grad()
     def fold(self) -> None:
@@ -268,6 +307,7 @@ def run(lab: LabConfig, log=None) -> dict:
     trained = 0
     curve: list[list[float]] = []
     merges: list[dict] = []
+    typical = 1.0  # the run's typical staleness discount ("relative")
     next_eval = 0
     grace_timer_at: float | None = None
     # sync reference direction of the current round of work: the mean of each learner's
@@ -294,18 +334,27 @@ def run(lab: LabConfig, log=None) -> dict:
         return merge.staleness_rounds(others, 0, round_tokens)
 
     def do_merge(t):
-        nonlocal pending, version, tokens_merged, quorum_since, next_eval
+        nonlocal pending, version, tokens_merged, quorum_since, next_eval, typical
         batch, pending = pending, []
         quorum_since = None
-        infos, stale = [], []
-        for d in batch:
-            r = rounds_behind(d)
-            disc = staleness_discount(lab.discount_rule, min(r, lab.max_staleness_rounds))
-            stale.append(min(r, lab.max_staleness_rounds))
-            infos.append(merge.DeltaInfo(d.tokens, d.steps, disc))
-        weights = merge.token_weights(infos)
-        fraction = merge.work_fraction(infos, round_tokens)
-        s_mean = lab.staleness_gain * sum(w * s for w, s in zip(weights, stale))
+        if lab.discount_rule == "one-round":
+            infos, stale = [], []
+            for d in batch:
+                r = rounds_behind(d)
+                disc = staleness_discount(lab.discount_rule, min(r, lab.max_staleness_rounds))
+                stale.append(min(r, lab.max_staleness_rounds))
+                infos.append(merge.DeltaInfo(d.tokens, d.steps, disc))
+            weights = merge.token_weights(infos)
+            fraction = merge.work_fraction(infos, round_tokens)
+            s_mean = lab.staleness_gain * sum(w * s for w, s in zip(weights, stale))
+        else:  # the outer optimizer's own plan
+            plan = merge.plan_merge(
+                [merge.Waiting(d.tokens, d.steps, rounds_behind(d)) for d in batch], round_tokens,
+                lab.max_staleness_rounds, True, lab.staleness_gain, typical,
+                lab.memory_rounds if lab.discount_rule == "relative" else 0.0,
+            )
+            weights, fraction, stale, s_mean, typical = (
+                plan.weights, plan.fraction, plan.staleness, plan.mean_staleness, plan.typical_discount)
         tensors = [d.tensors if d.steps == h else [x * (h / d.steps) for x in d.tensors] for d in batch]
         direction = merge.combine(tensors, weights, "weighted", plain)
         ref = [sum(latest_delta[i][k] for i in latest_delta) / len(latest_delta) for k in range(len(glob))]
@@ -322,7 +371,7 @@ def run(lab: LabConfig, log=None) -> dict:
         tokens_at_version[version] = tokens_merged
         own_at_version[version] = {i: own_merged[i] for i in range(m)}
         merges.append({
-            "t": round(t, 4), "deltas": len(batch), "fraction": fraction, "staleness": stale,
+            "t": round(t, 4), "deltas": len(batch), "fraction": fraction, "staleness": stale, "typical": typical,
             "cosine_to_sync": dot / (na * nb) if na > 0 and nb > 0 else 0.0,
             "move_per_round": moved / fraction if fraction > 0 else 0.0,
             "momentum_norm": math.sqrt(sum(float((b * b).sum()) for b in opt.buffers)),
@@ -375,7 +424,7 @@ def run(lab: LabConfig, log=None) -> dict:
                 d = Delta(lr_.id, lr_.version, lr_.window_steps, lr_.window_steps * per_step, tens, 0.0)
                 lr_.window_steps = 0
                 lr_.extra = 0
-                push(t + lab.upload_s, "arrive", d)
+                push(lr_.upload_time(lab, t), "arrive", d)
                 if lab.sync:
                     lr_.waiting = True
                     continue
@@ -413,6 +462,9 @@ def run(lab: LabConfig, log=None) -> dict:
         "merges": len(merges),
         "deltas_per_merge_mean": float(np.mean([mg["deltas"] for mg in merges])),
         "staleness_mean": float(np.mean(stal)) if stal else 0.0,
+        # outer steps applied per round of work merged: 1.0 is synchronous DiLoCo's
+        "fraction_per_round": sum(mg["fraction"] for mg in merges) / (tokens_merged / round_tokens),
+        "typical_discount_last": typical,
         "cosine_to_sync_mean": float(np.mean([mg["cosine_to_sync"] for mg in merges])),
         "move_per_round_mean": float(np.mean([mg["move_per_round"] for mg in merges[len(merges) // 2 :]])),
         "momentum_norm_last": merges[-1]["momentum_norm"] if merges else 0.0,
@@ -436,20 +488,26 @@ def main() -> int:
     ap.add_argument("--findings", action="store_true", help="run the grid of docs/algorithm.md (FINDINGS)")
     ap.add_argument("--discount-findings", action="store_true",
                     help="run the staleness-discount grid of docs/algorithm.md (DISCOUNT_FINDINGS)")
+    ap.add_argument("--memory-findings", action="store_true",
+                    help="run the typical-discount grid of docs/algorithm.md (MEMORY_FINDINGS)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
     ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
     if args.list_variants:
         print(json.dumps(VARIANTS, indent=1))
         return 0
-    if args.findings or args.discount_findings:
-        grid = [(m, t, v) for m, t, vs in (FINDINGS if args.findings else DISCOUNT_FINDINGS) for v in vs]
+    named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "memory_findings": MEMORY_FINDINGS}
+    chosen = [k for k in named if getattr(args, k)]
+    if len(chosen) > 1:
+        ap.error("one findings grid at a time")
+    if chosen:
+        grid = [(m, t, v) for m, t, vs in named[chosen[0]] for v in vs]
     else:
         grid = [(args.learners, args.tokens, v) for v in (args.variant or ["sync", "ddiloco"])]
     from common_bench import finish_provenance, start_provenance
 
     # virtual time: the losses do not depend on the machine's load, but the provenance is kept
-    prov = start_provenance(args.allow_dirty or not (args.findings or args.discount_findings or args.out), "async_lab")
+    prov = start_provenance(args.allow_dirty or not (chosen or args.out), "async_lab")
     jobs = []
     for m, tokens, name in grid:
         lab = LabConfig(learners=m, tokens=tokens, seed=args.seed, **VARIANTS[name])
@@ -470,15 +528,15 @@ def main() -> int:
         for job in jobs:
             results.append(_job(job))
             _print(results[-1])
-    default_out = "async_lab.json" if args.findings else "async_lab_discount.json" if args.discount_findings else None
+    default_out = {"findings": "async_lab.json", "discount_findings": "async_lab_discount.json",
+                   "memory_findings": "async_lab_memory.json"}.get(chosen[0]) if chosen else None
     out = args.out or (ROOT / "bench" / "results" / default_out if default_out else None)
     if out:
         base = {(r["config"]["learners"], r["config"]["tokens"]): r for r in results if r["variant"] == "sync"}
         for r in results:
             ref = base.get((r["config"]["learners"], r["config"]["tokens"]))
             r["vs_sync"] = round(r["final_eval_loss"] / ref["final_eval_loss"] - 1, 5) if ref else None
-        command = ("python bench/async_lab.py --findings" if args.findings
-                   else "python bench/async_lab.py --discount-findings" if args.discount_findings else " ".join(sys.argv))
+        command = (f"python bench/async_lab.py --{chosen[0].replace('_', '-')}" if chosen else " ".join(sys.argv))
         out.write_text(json.dumps({"command": command, **finish_provenance(prov), "rows": results}, indent=1))
     return 0
 

@@ -33,7 +33,7 @@ def test_every_variant_names_only_laboratory_fields():
     fields = {f.name for f in async_lab.dataclasses.fields(async_lab.LabConfig)}
     for name, overrides in async_lab.VARIANTS.items():
         assert set(overrides) <= fields, name
-    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS):
+    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS, async_lab.MEMORY_FINDINGS):
         assert all(v in async_lab.VARIANTS for _, _, vs in grid for v in vs)
 
 
@@ -52,3 +52,26 @@ def test_the_discount_rules_are_their_closed_forms():
 
     for s in (0.0, 0.3, 1.0, 3.9):
         assert async_lab.staleness_discount("inverse", s) == merge.staleness_discount(s, 4.0)
+
+
+def _four(**kw):
+    """Four learners, about a round and a half of work: enough for uploads to overtake windows."""
+    return async_lab.LabConfig(learners=4, tokens=60_000, eval_every_tokens=30_000, eval_windows=32, **kw)
+
+
+def test_upload_spread_puts_deltas_out_of_phase_and_leaves_every_other_draw_alone():
+    base = async_lab.run(_four())
+    spread = async_lab.run(_four(upload_spread=1.0))
+    assert spread["staleness_mean"] > base["staleness_mean"]  # the late uploads made stale merges
+    assert async_lab.run(_four(upload_spread=0.0))["curve"] == base["curve"]
+
+
+def test_the_relative_rule_without_memory_is_the_absolute_one_and_with_it_keeps_the_work():
+    spread = {"upload_spread": 1.0}
+    inverse = async_lab.run(_four(discount_rule="inverse", **spread))
+    assert async_lab.run(_four(discount_rule="relative", memory_rounds=0.0, **spread))["curve"] == inverse["curve"]
+    # a memory short enough to learn the run's disorder within this short run
+    relative = async_lab.run(_four(discount_rule="relative", memory_rounds=0.5, **spread))
+    assert relative["typical_discount_last"] < 1.0
+    # outer steps applied per round of work merged: the absolute discount loses a quarter
+    assert inverse["fraction_per_round"] < 0.8 < relative["fraction_per_round"] <= 1.05

@@ -282,3 +282,61 @@ def test_the_buffer_decay_and_gain_keep_the_steady_state_at_g_over_one_minus_mom
     # the fixed point of buf = d * buf + gain * g is g / (1 - momentum), whatever f and s
     assert gain / (1 - d) == pytest.approx(1 / 0.1)
     assert merge.buffer_decay_and_gain(0.9, 1.0) == pytest.approx((0.9, 1.0))
+
+
+# ------------------------------------------------------------- the typical discount
+def _steady_rounds(rounds: int, memory: float, pattern, round_tokens: int = 1600, typical: float = 1.0):
+    """Plan ``rounds`` rounds of work, each merged as ``pattern`` (a list of merges, each a
+    list of per-delta staleness, 100 tokens per delta); returns (the fractions of the last
+    round summed, the typical discount at the end)."""
+    last = 0.0
+    for _ in range(rounds):
+        last = 0.0
+        for stale in pattern:
+            plan = merge.plan_merge([merge.Waiting(100, 1, s) for s in stale], round_tokens, 4.0,
+                                    typical_discount=typical, memory_rounds=memory)
+            typical = plan.typical_discount
+            last += plan.fraction
+    return last, typical
+
+
+def test_the_typical_discount_is_an_exponential_average_over_merged_work():
+    infos = [merge.DeltaInfo(300, 1, 0.5), merge.DeltaInfo(100, 1, 1.0)]  # 400 tokens, mean discount 0.625
+    alpha = 1 - math.exp(-(400 / 1600) / 10.0)
+    assert merge.typical_discount_after(0.9, infos, 1600, 10.0) == pytest.approx((1 - alpha) * 0.9 + alpha * 0.625)
+    assert merge.typical_discount_after(0.9, infos, 1600, 0.0) == 0.9, "memory 0: the absolute discount, kept at 1"
+
+
+def test_in_a_steady_state_of_disorder_the_step_per_round_of_work_is_the_synchronous_one():
+    # 16 learners, every round merged as 8 fresh deltas and 8 a whole round late: the
+    # absolute discount applies 0.75 of each round's work; the relative one all of it, with
+    # the fresh deltas still weighing twice the late ones within the round
+    pattern = [[0.0] * 8, [1.0] * 8]
+    absolute, typical = _steady_rounds(200, 0.0, pattern)
+    assert absolute == pytest.approx(0.75) and typical == 1.0
+    relative, typical = _steady_rounds(200, 10.0, pattern)
+    # the average saw-tooths around the mean discount as fresh and late merges alternate
+    assert typical == pytest.approx(0.75, abs=0.01)
+    assert relative == pytest.approx(1.0, abs=0.005)
+    plan = merge.plan_merge([merge.Waiting(100, 1, 0.0), merge.Waiting(100, 1, 1.0)], 1600, 4.0, typical_discount=0.75)
+    assert plan.weights == pytest.approx([2 / 3, 1 / 3])
+
+
+def test_disorder_beyond_the_usual_is_damped_as_by_the_absolute_discount():
+    # a calm run (every delta fresh), then one learner 1.5 rounds late: its merge counts
+    # 1 / 2.5 of its work, as it would with the absolute rule
+    _, typical = _steady_rounds(100, 10.0, [[0.0] * 16])
+    assert typical == 1.0
+    plan = merge.plan_merge([merge.Waiting(100, 1, 1.5)], 1600, 4.0, typical_discount=typical, memory_rounds=10.0)
+    assert plan.fraction == pytest.approx(100 / 1600 / 2.5)
+    # and one late merge moves the typical discount by its share of the memory only
+    assert plan.typical_discount == pytest.approx(1 - (1 - math.exp(-(100 / 1600) / 10)) * (1 - 1 / 2.5))
+
+
+def test_the_typical_discount_stays_between_the_bounds_discount_and_one():
+    _, typical = _steady_rounds(400, 10.0, [[math.inf] * 4])  # 100 rounds of work, 10 memories
+    assert typical == pytest.approx(1 / 5, abs=1e-4)  # every delta past the bound: its clamped discount
+    with pytest.raises(ValueError, match="typical discount"):
+        merge.plan_merge([merge.Waiting(100, 1, 0.0)], 1600, 4.0, typical_discount=0.0)
+    with pytest.raises(ValueError, match="typical discount"):
+        merge.plan_merge([merge.Waiting(100, 1, 0.0)], 1600, 4.0, typical_discount=float("nan"))
