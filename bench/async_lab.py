@@ -19,8 +19,8 @@ step - (upload + merge)), not the outer optimizer's current one (``ddiloco.outer
 with one fixed step time and jitter the two differ only in how long a late learner is
 waited for, and the findings table stays reproducible. Likewise its staleness discount is
 by default the former rule (``discount_rule="one-round"``: free up to one round, then
-1/s); ``inverse`` is the absolute discount 1/(1+s), ``relative`` the outer optimizer's
-current rule (``merge.plan_merge``: 1/(1+s) relative to the run's typical discount).
+1/s); ``inverse`` is the outer optimizer's rule (``merge.plan_merge``: 1/(1+s));
+``relative`` is 1/(1+s) relative to the run's typical discount, a rule tried and rejected.
 
 Disorder: ``stall_rate`` > 0 makes learners stall now and then (a descheduled process, a
 loaded host): bursts of disorder, which real runs on a shared machine have and a fixed
@@ -29,7 +29,7 @@ exponential, mean in windows): disorder as the steady state, as 16 learner proce
 2 cores have.
 
     python bench/async_lab.py --discount-findings --jobs 2   # the staleness-discount table -> bench/results/async_lab_discount.json
-    python bench/async_lab.py --memory-findings --jobs 2     # the typical-discount table -> bench/results/async_lab_memory.json
+    python bench/async_lab.py --disorder-findings --jobs 2     # the steady-disorder table -> bench/results/async_lab_disorder.json
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
@@ -102,9 +102,9 @@ class LabConfig:
     # run long, which phase alignment cannot undo. A learner's uploads stay in order.
     upload_spread: float = 0.0
     # how a delta's weight falls with staleness s (rounds of others' work since its base):
-    # "one-round" (the former rule: 1 up to one round, then 1/s), "inverse" (1/(1+s)),
-    # "relative" (1/(1+s) relative to the run's typical discount over ``memory_rounds``:
-    # merge.plan_merge as the outer optimizer runs it)
+    # "one-round" (the former rule: 1 up to one round, then 1/s), "inverse" (1/(1+s), the
+    # outer optimizer's merge.plan_merge), "relative" (1/(1+s) relative to the run's typical
+    # discount over ``memory_rounds``: typical_discount_after; rejected)
     discount_rule: str = "one-round"
     memory_rounds: float = 10.0
     upload_s: float = 0.02
@@ -148,13 +148,13 @@ DISCOUNT_FINDINGS = [
     (8, 3_000_000, ["sync", "ddiloco", "inverse", "stalls", "stalls-inverse"]),
 ]
 
-# The typical-discount findings of docs/algorithm.md: the absolute discount 1/(1+s) against
-# the same discount relative to the run's typical one (``relative``, the outer optimizer's
-# default), calm, with bursts of disorder (stalls, M = 4) and with steady disorder (upload
-# spread, M = 16), early (3M tokens) and over long training (12M). The long runs come first
-# so that two jobs finish together.
-MEMORY_FINDINGS = [
-    (16, 12_000_000, ["sync", "spread-inverse", "spread-relative"]),
+# The steady-disorder findings of docs/algorithm.md: the discount 1/(1+s) against the
+# former rule and against the same discount relative to the run's typical one
+# (``relative``), calm, with bursts of disorder (stalls, M = 4) and with steady disorder
+# (upload spread, M = 16), early (3M tokens) and over long training (12M). The long runs
+# come first so that two jobs finish together.
+DISORDER_FINDINGS = [
+    (16, 12_000_000, ["sync", "spread", "spread-inverse", "spread-relative"]),
     (16, 3_000_000, ["sync", "inverse", "relative", "spread-inverse", "spread-relative"]),
     (4, 3_000_000, ["sync", "inverse", "relative", "stalls-inverse", "stalls-relative"]),
 ]
@@ -255,6 +255,22 @@ def staleness_discount(rule: str, rounds: float) -> float:
     raise ValueError(f"unknown discount rule {rule!r}")
 
 
+def typical_discount_after(typical: float, tokens: list[int], discounts: list[float], round_tokens: int,
+                           memory_rounds: float) -> float:
+    """The ``relative`` rule's typical discount once a merge is in: an exponential average,
+    over merged work with a horizon of ``memory_rounds`` rounds, of the merge's
+    token-weighted discount. The rule counts each delta's work at its discount divided by
+    the typical one, so that in any steady state of disorder the outer step per round of
+    work is the synchronous one. Tried as the outer optimizer's rule and rejected: it
+    lost quality wherever disorder was the steady state (docs/algorithm.md)."""
+    total = sum(tokens)
+    if memory_rounds <= 0 or total <= 0:
+        return typical
+    mean = sum(t * d for t, d in zip(tokens, discounts)) / total
+    alpha = 1.0 - math.exp(-total / max(round_tokens, 1) / memory_rounds)
+    return (1.0 - alpha) * typical + alpha * mean
+
+
 @dataclass
 class Delta:
     learner: int
@@ -347,14 +363,16 @@ def run(lab: LabConfig, log=None) -> dict:
             weights = merge.token_weights(infos)
             fraction = merge.work_fraction(infos, round_tokens)
             s_mean = lab.staleness_gain * sum(w * s for w, s in zip(weights, stale))
-        else:  # the outer optimizer's own plan
-            plan = merge.plan_merge(
-                [merge.Waiting(d.tokens, d.steps, rounds_behind(d)) for d in batch], round_tokens,
-                lab.max_staleness_rounds, True, lab.staleness_gain, typical,
-                lab.memory_rounds if lab.discount_rule == "relative" else 0.0,
-            )
-            weights, fraction, stale, s_mean, typical = (
-                plan.weights, plan.fraction, plan.staleness, plan.mean_staleness, plan.typical_discount)
+        else:  # the outer optimizer's own plan ("inverse")
+            behind = [rounds_behind(d) for d in batch]
+            plan = merge.plan_merge([merge.Waiting(d.tokens, d.steps, r) for d, r in zip(batch, behind)], round_tokens,
+                                    lab.max_staleness_rounds, True, lab.staleness_gain)
+            weights, fraction, stale, s_mean = plan.weights, plan.fraction, plan.staleness, plan.mean_staleness
+            if lab.discount_rule == "relative":
+                discounts = [merge.staleness_discount(r, lab.max_staleness_rounds, clamp=True) for r in behind]
+                fraction = fraction / typical
+                typical = typical_discount_after(typical, [d.tokens for d in batch], discounts, round_tokens,
+                                                 lab.memory_rounds)
         tensors = [d.tensors if d.steps == h else [x * (h / d.steps) for x in d.tensors] for d in batch]
         direction = merge.combine(tensors, weights, "weighted", plain)
         ref = [sum(latest_delta[i][k] for i in latest_delta) / len(latest_delta) for k in range(len(glob))]
@@ -488,15 +506,15 @@ def main() -> int:
     ap.add_argument("--findings", action="store_true", help="run the grid of docs/algorithm.md (FINDINGS)")
     ap.add_argument("--discount-findings", action="store_true",
                     help="run the staleness-discount grid of docs/algorithm.md (DISCOUNT_FINDINGS)")
-    ap.add_argument("--memory-findings", action="store_true",
-                    help="run the typical-discount grid of docs/algorithm.md (MEMORY_FINDINGS)")
+    ap.add_argument("--disorder-findings", action="store_true",
+                    help="run the steady-disorder grid of docs/algorithm.md (DISORDER_FINDINGS)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
     ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
     if args.list_variants:
         print(json.dumps(VARIANTS, indent=1))
         return 0
-    named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "memory_findings": MEMORY_FINDINGS}
+    named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "disorder_findings": DISORDER_FINDINGS}
     chosen = [k for k in named if getattr(args, k)]
     if len(chosen) > 1:
         ap.error("one findings grid at a time")
@@ -529,7 +547,7 @@ def main() -> int:
             results.append(_job(job))
             _print(results[-1])
     default_out = {"findings": "async_lab.json", "discount_findings": "async_lab_discount.json",
-                   "memory_findings": "async_lab_memory.json"}.get(chosen[0]) if chosen else None
+                   "disorder_findings": "async_lab_disorder.json"}.get(chosen[0]) if chosen else None
     out = args.out or (ROOT / "bench" / "results" / default_out if default_out else None)
     if out:
         base = {(r["config"]["learners"], r["config"]["tokens"]): r for r in results if r["variant"] == "sync"}

@@ -72,6 +72,12 @@ def require_clean(state: dict, allow_dirty: bool, what: str) -> None:
               f"(diff sha256 {state['diff_sha256'][:12]})", file=sys.stderr)
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, in seconds (Linux ``/proc``)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]

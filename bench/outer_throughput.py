@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import secrets
 import statistics
@@ -49,12 +48,6 @@ import common_bench as cb  # noqa: E402
 
 ROOT = cb.ROOT
 DELTA_SCALE = 1e-3  # well inside what H AdamW steps can move a coordinate (admission's bound)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _percentile(xs: list[float], q: float) -> float | None:
@@ -150,12 +143,12 @@ def measure_outer(model: str, learners: int, rounds: int, warmup: int, inner_ste
         errors: list[str] = []
         drivers = [Driver(cluster.outer_address, config.run_id, lid, enc, window_tokens, inner_steps, rounds, errors)
                    for lid in ids]
-        cpu0, t0 = _cpu_seconds(outer.popen.pid), time.monotonic()
+        cpu0, t0 = cb.process_cpu_seconds(outer.popen.pid), time.monotonic()
         for d in drivers:
             d.start()
         for d in drivers:
             d.join(timeout=1800)
-        cpu1, t1 = _cpu_seconds(outer.popen.pid), time.monotonic()
+        cpu1, t1 = cb.process_cpu_seconds(outer.popen.pid), time.monotonic()
         if errors or any(d.is_alive() for d in drivers):
             raise RuntimeError(f"drivers failed: {errors[:4]} (alive: {sum(d.is_alive() for d in drivers)})")
     finally:

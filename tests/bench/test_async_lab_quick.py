@@ -33,7 +33,7 @@ def test_every_variant_names_only_laboratory_fields():
     fields = {f.name for f in async_lab.dataclasses.fields(async_lab.LabConfig)}
     for name, overrides in async_lab.VARIANTS.items():
         assert set(overrides) <= fields, name
-    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS, async_lab.MEMORY_FINDINGS):
+    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS, async_lab.DISORDER_FINDINGS):
         assert all(v in async_lab.VARIANTS for _, _, vs in grid for v in vs)
 
 
@@ -75,3 +75,13 @@ def test_the_relative_rule_without_memory_is_the_absolute_one_and_with_it_keeps_
     assert relative["typical_discount_last"] < 1.0
     # outer steps applied per round of work merged: the absolute discount loses a quarter
     assert inverse["fraction_per_round"] + 0.05 < relative["fraction_per_round"] <= 1.05
+
+
+def test_the_relative_rules_typical_discount_is_an_exponential_average_over_merged_work():
+    import math
+
+    # 400 tokens at discounts 0.5 (300) and 1.0 (100): mean 0.625, a quarter round of 1,600
+    alpha = 1 - math.exp(-(400 / 1600) / 10.0)
+    got = async_lab.typical_discount_after(0.9, [300, 100], [0.5, 1.0], 1600, 10.0)
+    assert got == (1 - alpha) * 0.9 + alpha * 0.625
+    assert async_lab.typical_discount_after(0.9, [300, 100], [0.5, 1.0], 1600, 0.0) == 0.9

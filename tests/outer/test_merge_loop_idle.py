@@ -6,18 +6,16 @@ for. Measured on the real process: its CPU time over two seconds of waiting."""
 
 from __future__ import annotations
 
-import os
 import pathlib
+import sys
 import time
 
 import pytest
 
 from outer_helpers import Remote, register
 
-
-def _cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+from common_bench import process_cpu_seconds as _cpu_seconds  # noqa: E402
 
 
 @pytest.fixture

@@ -131,12 +131,6 @@ class OuterConfig:
     # A delta is discounted by 1 / (1 + s) for the s rounds of other work merged after its
     # base version, and refused beyond this many rounds (see ddiloco.common.merge).
     max_staleness_rounds: float = 4.0
-    # The discount 1 / (1 + s) is taken relative to the run's typical discount, an average
-    # over this many rounds of merged work (ddiloco.common.merge.plan_merge): staleness that
-    # is the run's steady state (16 learners on shared hosts) does not shrink the outer step
-    # per round of work, only disorder beyond it (a stalled learner out of phase) is damped.
-    # 0: the absolute discount, which cost +3.4% at M = 16 (docs/algorithm.md).
-    staleness_memory_rounds: float = 10.0
     checkpoint_every: int = 10  # merges between checkpoints
     eval_interval_s: float = 5.0
     max_delta_bytes: int = 256 << 20

@@ -71,7 +71,6 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("outer.grace_gamma", None, _between(0, 1), "a fraction in [0, 1]"),
     ("outer.max_grace_s", None, _nonneg, "0 (= the lease timeout) or a positive number of seconds"),
     ("outer.max_staleness_rounds", "--max-staleness", _pos, "a positive number of rounds"),
-    ("outer.staleness_memory_rounds", "--staleness-memory", _between(0, 1e6), "0 (absolute discount) or a number of rounds up to 1e6"),
     ("outer.checkpoint_every", "--checkpoint-every", _between(1, 1 << 30), "an integer of at least 1"),
     ("outer.eval_interval_s", "--eval-interval", _pos, "a positive number of seconds"),
     ("outer.max_delta_bytes", None, _between(1024, 1 << 40), "from 1 KiB to 1 TiB"),

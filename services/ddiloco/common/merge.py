@@ -137,26 +137,12 @@ class Waiting:
     rounds_behind: float  # math.inf when its base version is no longer tracked
 
 
-def typical_discount_after(typical: float, infos: Sequence[DeltaInfo], round_tokens: int, memory_rounds: float) -> float:
-    """The run's typical staleness discount once ``infos`` are merged: an exponential
-    average, over merged work with a horizon of ``memory_rounds`` rounds, of the
-    token-weighted discount ``1 / (1 + s)`` of the deltas merged. ``memory_rounds`` 0 keeps
-    it at ``typical`` (1 from the start: the absolute discount)."""
-    tokens = sum(d.tokens for d in infos)
-    if memory_rounds <= 0 or tokens <= 0:
-        return typical
-    mean = sum(d.tokens * d.discount for d in infos) / tokens
-    alpha = 1.0 - math.exp(-tokens / max(round_tokens, 1) / memory_rounds)
-    return (1.0 - alpha) * typical + alpha * mean
-
-
 @dataclass(frozen=True)
 class MergePlan:
     weights: list[float]  # per delta, summing to 1
     fraction: float  # of one synchronous round (1.0 without the work clock)
     staleness: list[float]  # per delta, rounds behind, capped at the bound
     mean_staleness: float  # weighted staleness x gain: what shortens the momentum's memory
-    typical_discount: float = 1.0  # the run's typical discount after this merge
 
 
 def plan_merge(
@@ -165,33 +151,21 @@ def plan_merge(
     max_staleness_rounds: float,
     work_clock: bool = True,
     staleness_gain: float = 1.0,
-    typical_discount: float = 1.0,
-    memory_rounds: float = 0.0,
 ) -> MergePlan:
     """Weights, work fraction and staleness of one merge of ``deltas``.
-
-    The work fraction counts each delta's tokens times its discount *relative to the run's
-    typical discount* before this merge (``typical_discount``, kept by
-    ``typical_discount_after`` with a horizon of ``memory_rounds``): in any steady state of
-    disorder the outer step per round of work stays the synchronous one, fresher deltas
-    weigh more than staler ones within it, and only disorder beyond the usual (a stalled
-    learner out of phase) is damped. With ``memory_rounds`` 0 the discount is absolute.
 
     An acknowledged delta is never dropped: one that grew staler than the bound while it
     waited (or whose base fell out of tracking across a restart) gets the bound's discount.
     """
-    if not (math.isfinite(typical_discount) and 0.0 < typical_discount <= 1.0):
-        raise ValueError(f"typical discount must be in (0, 1], got {typical_discount}")
     infos, staleness = [], []
     for d in deltas:
         discount = staleness_discount(d.rounds_behind, max_staleness_rounds, clamp=True)
         staleness.append(min(d.rounds_behind, max_staleness_rounds))
         infos.append(DeltaInfo(d.tokens, d.inner_steps, discount))
     weights = token_weights(infos)
-    fraction = work_fraction(infos, round_tokens) / typical_discount if work_clock else 1.0
+    fraction = work_fraction(infos, round_tokens) if work_clock else 1.0
     mean_staleness = staleness_gain * sum(w * s for w, s in zip(weights, staleness))
-    after = typical_discount_after(typical_discount, infos, round_tokens, memory_rounds)
-    return MergePlan(weights, fraction, staleness, mean_staleness, after)
+    return MergePlan(weights, fraction, staleness, mean_staleness)
 
 
 def combine(

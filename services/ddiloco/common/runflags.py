@@ -35,8 +35,6 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
     ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),
     ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),
-    ("--staleness-memory", "outer.staleness_memory_rounds", float,
-     "rounds of work over which the typical staleness discount is averaged (default 10; 0: absolute discount)"),
     ("--max-coalesce-windows", "learner.max_coalesce_windows", int, "windows summed into one delta at most before a learner waits for its uploads"),
     ("--checkpoint-every", "outer.checkpoint_every", int, "merges between checkpoints"),
     ("--eval-interval", "outer.eval_interval_s", float, "seconds between evaluations of the global model"),

@@ -94,9 +94,6 @@ class Fragment:
     pending: list[Pending] = field(default_factory=list)
     merged_by_learner: dict[int, int] = field(default_factory=dict)
     quorum_since: float | None = None  # when the quorum was first met (grace window start)
-    # the run's typical staleness discount in this fragment (merge.typical_discount_after):
-    # durable, in checkpoints and merge records, so a replay plans as the first run did
-    typical_discount: float = 1.0
     # per learner: how long its delta in this fragment's last merge that held one waited for
     # the last arrival of that merge (phase alignment; not durable, 0 after a restart)
     leads: dict[int, float] = field(default_factory=dict)
@@ -140,7 +137,6 @@ class Fragment:
             "tokens_at_version": {str(k): v for k, v in self.tokens_at_version.items()},
             "own_at_version": {str(k): {str(i): t for i, t in v.items()} for k, v in self.own_at_version.items()},
             "merged_by_learner": {str(k): v for k, v in self.merged_by_learner.items()},
-            "typical_discount": self.typical_discount,
         }
 
     def load_json(self, fs: dict) -> None:
@@ -149,4 +145,3 @@ class Fragment:
         self.tokens_at_version = {int(k): v for k, v in fs["tokens_at_version"].items()}
         self.own_at_version = {int(k): {int(i): t for i, t in v.items()} for k, v in fs["own_at_version"].items()}
         self.merged_by_learner = {int(k): v for k, v in fs["merged_by_learner"].items()}
-        self.typical_discount = fs.get("typical_discount", 1.0)  # absent in checkpoints before it existed

@@ -130,9 +130,6 @@ def replay_merges(state: "OuterState", journal: Journaled) -> None:
         if not 0 <= record["fragment"] < len(state.fragments):
             raise MergeRecordCorrupt(path, f"fragment {record['fragment']} does not exist; this run has {len(state.fragments)}")
         frag = state.fragments[record["fragment"]]
-        typical = record.get("typical_discount")  # absent in records written before it was kept
-        if typical is not None and not (isinstance(typical, (int, float)) and 0 < typical <= 1):
-            raise MergeRecordCorrupt(path, f"typical discount {typical!r} is not in (0, 1]")
         kept = []
         for learner_id, seq in record["deltas"]:
             if (learner_id, seq) not in journal:
@@ -150,7 +147,7 @@ def replay_merges(state: "OuterState", journal: Journaled) -> None:
                 rec = state.learners.setdefault(learner_id, LearnerRecord())
                 rec.last_seq_accepted = max(rec.last_seq_accepted, seq)
                 rec.refused += 1
-        state._apply(frag, kept, record["weights"], record["fraction"], record.get("staleness", 0.0), typical)
+        state._apply(frag, kept, record["weights"], record["fraction"], record.get("staleness", 0.0))
         state.metrics.event(
             "merge_replayed", version=state.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
         )

@@ -260,7 +260,6 @@ class OuterState:
                     for p in batch
                 ],
                 self.workload.round_tokens(), ocfg.max_staleness_rounds, ocfg.work_clock, ocfg.staleness_gain,
-                frag.typical_discount, ocfg.staleness_memory_rounds,
             )
             try:
                 self._journal_merge(frag, batch, plan)  # durable before it is applied
@@ -270,7 +269,7 @@ class OuterState:
                 raise
             self._apply(
                 frag, [(p.learner_id, p.seq, p.tokens, p.tensors, p.inner_steps) for p in batch],
-                plan.weights, plan.fraction, plan.mean_staleness, plan.typical_discount,
+                plan.weights, plan.fraction, plan.mean_staleness,
             )
             if all(p.arrived > 0 for p in batch):
                 last = max(p.arrived for p in batch)
@@ -285,7 +284,6 @@ class OuterState:
                 weights=[round(w, 4) for w in plan.weights],
                 fraction=round(plan.fraction, 4),
                 staleness=[round(s, 3) for s in plan.staleness],
-                typical_discount=round(plan.typical_discount, 4),
                 tokens_merged=self.tokens_merged,
                 fragment_tokens_merged=frag.tokens_merged,
                 step_norm=round(self.last_step_stats["step_norm"], 6),
@@ -306,7 +304,6 @@ class OuterState:
         weights: list[float],
         fraction: float,
         staleness: float = 0.0,
-        typical_discount: float | None = None,
     ) -> None:
         """One outer step on ``frag`` from (learner, seq, tokens, tensors, inner steps) deltas;
         bumps versions. Also how a merge record is replayed (``recovery.py``)."""
@@ -325,8 +322,6 @@ class OuterState:
             "step_norm": step_norm,
             "momentum_norm": math.sqrt(sum(float(b.pow(2).sum()) for b in frag.optimizer.buffers or [])),
         }
-        if typical_discount is not None:  # None: a merge record from before it was kept
-            frag.typical_discount = typical_discount
         self.version += 1
         self.outer_steps += 1
         for learner_id, seq, tokens, _, _ in kept:
@@ -348,7 +343,6 @@ class OuterState:
                 "weights": list(plan.weights),  # full precision: the replay must be bit-exact
                 "fraction": plan.fraction,
                 "staleness": plan.mean_staleness,
-                "typical_discount": plan.typical_discount,  # after this merge
             }
         )
 
