@@ -107,6 +107,9 @@ class LabConfig:
     # discount over ``memory_rounds``: typical_discount_after; rejected)
     discount_rule: str = "one-round"
     memory_rounds: float = 10.0
+    # the outer optimizer: "nesterov" (merge.WorkClockNesterov, the outer optimizer's) or
+    # "delayed" (DelayedWorkClockNesterov: momentum once per round of work, a candidate)
+    outer_rule: str = "nesterov"
     upload_s: float = 0.02
     merge_s: float = 0.005
     download_s: float = 0.02  # long-polled status + transfer (0.07 with a 0.1 s status poll)
@@ -138,6 +141,8 @@ VARIANTS: dict[str, dict] = {
     "spread": {"upload_spread": 0.5},
     "spread-inverse": {"upload_spread": 0.5, "discount_rule": "inverse"},
     "spread-relative": {"upload_spread": 0.5, "discount_rule": "relative"},
+    "delayed": {"discount_rule": "inverse", "outer_rule": "delayed"},
+    "spread-delayed": {"upload_spread": 0.5, "discount_rule": "inverse", "outer_rule": "delayed"},
 }
 
 # The staleness-discount findings of docs/algorithm.md: each variant with the former rule
@@ -271,6 +276,41 @@ def typical_discount_after(typical: float, tokens: list[int], discounts: list[fl
     return (1.0 - alpha) * typical + alpha * mean
 
 
+class DelayedWorkClockNesterov:
+    """Nesterov momentum taken once per round of work, as Delayed Nesterov (Asynchronous
+    Local-SGD, Liu et al. 2024) takes it once per N updates. Each merge applies its own
+    direction plainly, ``lr * f * g``; once a round of work has been merged, the buffer takes
+    the round's average direction, ``buf <- m * buf + mean(g)``, and the model moves by its
+    extrapolation, ``lr * m * buf`` (times the rounds merged). One merge of every learner
+    per round is exactly ``torch.optim.SGD(nesterov=True)``; a stale delta still moves the
+    model by its own (discounted) share but is extrapolated only within its round's average.
+    A candidate, measured in the laboratory only."""
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr, self.momentum = lr, momentum
+        self.buffers: list[torch.Tensor] | None = None
+        self.acc: list[torch.Tensor] | None = None
+        self.work = 0.0
+
+    @torch.no_grad()
+    def step(self, params, grads, fraction: float, staleness: float = 0.0) -> float:
+        if self.buffers is None:
+            self.buffers = [torch.zeros_like(p) for p in params]
+            self.acc = [torch.zeros_like(p) for p in params]
+        before = [p.clone() for p in params]
+        for p, g, a in zip(params, grads, self.acc):
+            p.sub_(g, alpha=self.lr * fraction)
+            a.add_(g, alpha=fraction)
+        self.work += fraction
+        if self.work >= 1.0 - 1e-9:
+            for p, b, a in zip(params, self.buffers, self.acc):
+                b.mul_(self.momentum).add_(a, alpha=1.0 / self.work)
+                p.sub_(b, alpha=self.lr * self.momentum * self.work)
+                a.zero_()
+            self.work = 0.0
+        return math.sqrt(sum(float(((p - q) ** 2).sum()) for p, q in zip(params, before)))
+
+
 @dataclass
 class Delta:
     learner: int
@@ -301,7 +341,8 @@ def run(lab: LabConfig, log=None) -> dict:
     glob = [p.detach().clone() for p in eval_model.parameters()]
     names = [n for n, _ in eval_model.named_parameters()]
     plain = [is_embedding(n) for n in names]
-    opt = merge.WorkClockNesterov(cfg.outer.lr, cfg.outer.momentum, True)
+    opt = (DelayedWorkClockNesterov(cfg.outer.lr, cfg.outer.momentum) if lab.outer_rule == "delayed"
+           else merge.WorkClockNesterov(cfg.outer.lr, cfg.outer.momentum, True))
     version, tokens_merged = 0, 0
     tokens_at_version = {0: 0}
     own_at_version: dict[int, dict[int, int]] = {0: {}}

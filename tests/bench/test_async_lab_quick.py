@@ -85,3 +85,19 @@ def test_the_relative_rules_typical_discount_is_an_exponential_average_over_merg
     got = async_lab.typical_discount_after(0.9, [300, 100], [0.5, 1.0], 1600, 10.0)
     assert got == (1 - alpha) * 0.9 + alpha * 0.625
     assert async_lab.typical_discount_after(0.9, [300, 100], [0.5, 1.0], 1600, 0.0) == 0.9
+
+
+def test_delayed_nesterov_with_one_merge_per_round_is_torch_nesterov():
+    import torch
+
+    torch.manual_seed(0)
+    p0 = torch.randn(5)
+    grads = [torch.randn(5) for _ in range(4)]
+    mine, ref = [p0.clone()], p0.clone().requires_grad_(True)
+    opt = async_lab.DelayedWorkClockNesterov(0.7, 0.9)
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    for g in grads:
+        opt.step(mine, [g], 1.0)
+        ref.grad = g.clone()
+        sgd.step()
+    assert torch.allclose(mine[0], ref.detach(), atol=1e-6)
