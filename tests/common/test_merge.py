@@ -158,6 +158,38 @@ def test_no_gradient_sequence_makes_adamw_exceed_the_delta_bound():
         assert moved <= bound / 2, f"{name}: moved {moved} > {bound / 2}"
 
 
+@pytest.mark.parametrize("codec_name", ["int8", "int4"])
+def test_a_short_window_after_a_full_one_stays_within_the_bound_with_the_rounding_it_carries(codec_name):
+    """What the CI run saw at drain: a 1-step window after full ones, int4 with error
+    feedback, whose decoded delta carried the previous window's rounding past a bound of
+    twice one step's move. Built through the real codec: the previous upload (the most
+    ``max_steps`` steps can move) leaves a coordinate just under half a quantization step,
+    and the one-step window then adds a whole step's move on top of it."""
+    import numpy as np
+
+    from ddiloco.common import codec
+
+    lr, wd, p_linf, h, windows = 1e-3, 0.1, 3.0, 5, 4
+    q = codec.QMAX[codec_name]
+    big = merge.adamw_linf_move(h * windows, lr, wd, p_linf)
+    one = merge.adamw_linf_move(1, lr, wd, p_linf)
+    before = np.zeros(64, dtype=np.float32)
+    before[0] = big  # the block's absmax: scale = big / q
+    before[1] = 0.4999 * big / q  # rounds to 0: its whole value stays as the residual
+    ef = codec.ErrorFeedback()
+    codec.decode_encoded(ef.encode([("w", before)], codec_name, 64))
+    now = np.zeros(64, dtype=np.float32)
+    now[1] = one
+    (_, sent), = codec.decode_encoded(ef.encode([("w", now)], codec_name, 64))
+    peak = float(np.abs(sent).max())
+    bound = merge.delta_linf_bound(1, lr, wd, p_linf, qmax=q, max_steps=h * windows)
+    assert peak <= bound
+    if codec_name == "int4":  # what the former bound, twice one step's move, refused
+        assert peak > 2 * one
+    # lossless: no residual, the bound is what it always was
+    assert merge.delta_linf_bound(1, lr, wd, p_linf) == 2 * one
+
+
 def test_the_quorum_is_k_but_never_more_than_the_live_learners_and_at_least_one():
     assert merge.quorum_size(4, 8) == 4
     assert merge.quorum_size(4, 2) == 2

@@ -42,7 +42,8 @@ import zstandard
 from ddiloco.common import quantize as qz
 
 CODECS = ("fp32", "int8", "int4")
-_QMAX = {"int8": 127, "int4": 7}
+QMAX = {"int8": 127, "int4": 7}  # largest code of each lossy codec
+_QMAX = QMAX
 FORMAT = 2  # what encode writes
 FORMATS = (1, 2)  # what decode reads
 COMPRESSIONS = ("none", "zstd")

@@ -219,21 +219,41 @@ def adam_step_bound(beta1: float, beta2: float) -> float:
     return max(1.0, (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2)))
 
 
-def delta_linf_bound(
-    steps: int, lr: float, weight_decay: float, param_linf: float, beta1: float = 0.9, beta2: float = 0.95
-) -> float:
-    """The largest per-coordinate change ``steps`` AdamW steps can make.
+def adamw_linf_move(steps: int, lr: float, weight_decay: float, param_linf: float,
+                    beta1: float = 0.9, beta2: float = 0.95) -> float:
+    """The largest per-coordinate change ``steps`` AdamW steps can make: each moves a
+    coordinate by at most ``lr * (c + weight_decay * |p|)`` with ``c`` the Adam step bound,
+    and ``|p|`` is at most the global parameters' max plus what the steps themselves add."""
+    move = steps * lr * adam_step_bound(beta1, beta2)
+    return move + steps * lr * weight_decay * (param_linf + move)
 
-    Each step moves a coordinate by at most ``lr * (c + weight_decay * |p|)`` with ``c`` the
-    Adam step bound; ``|p|`` is at most the global parameters' max plus what the steps
-    themselves add. A pseudo-gradient beyond this bound (x2 for quantization error feedback,
-    which carries at most one block's rounding from the previous window) cannot come from
-    the run's inner optimizer: it is refused, so one hostile or corrupted learner can move
-    the model no further than an honest one could.
+
+def delta_linf_bound(
+    steps: int, lr: float, weight_decay: float, param_linf: float, beta1: float = 0.9, beta2: float = 0.95,
+    qmax: int | None = None, max_steps: int = 0,
+) -> float:
+    """The largest per-coordinate change a delta of ``steps`` AdamW steps can carry.
+
+    What the steps move (``adamw_linf_move``), plus the quantization residual that error
+    feedback carries from the learner's previous upload. That residual is at most half a
+    quantization step of the previous upload, which held at most ``max_steps`` steps plus
+    its own residual: ``r <= (B + r) / (2 qmax)``, so ``r <= B(max_steps) / (2 qmax - 1)``
+    (1% more for the float rounding of the scales). It does not shrink with this window: a
+    one-step window after a full one (the last partial window at drain) carries the full
+    window's rounding, which once took an honest int4 delta past a bound that assumed it
+    did. The bound is never below twice the move itself, the slack it always had.
+    ``qmax`` None: a lossless codec, no residual.
+
+    A pseudo-gradient beyond this bound cannot come from the run's inner optimizer: it is
+    refused, so one hostile or corrupted learner can move the model no further than an
+    honest one could.
     """
-    c = adam_step_bound(beta1, beta2)
-    move = steps * lr * c
-    return 2.0 * (move + steps * lr * weight_decay * (param_linf + move))
+    move = adamw_linf_move(steps, lr, weight_decay, param_linf, beta1, beta2)
+    residual = 0.0
+    if qmax is not None:
+        previous = adamw_linf_move(max(max_steps, steps), lr, weight_decay, param_linf, beta1, beta2)
+        residual = 1.01 * previous / (2 * qmax - 1)
+    return max(2.0 * move, move + residual)
 
 
 def split_fraction(fraction: float) -> tuple[float, float]:

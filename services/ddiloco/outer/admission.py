@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from ddiloco.common import merge
+from ddiloco.common import codec, merge
 from ddiloco.common.config import RunConfig
 from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from ddiloco.outer.records import Fragment
@@ -87,8 +87,11 @@ def check_magnitude(
     """Refuse a pseudo-gradient larger, in any coordinate, than ``inner_steps`` AdamW steps
     allow from parameters whose largest absolute values are ``param_linf`` (per tensor)."""
     lcfg = config.learner
+    # error feedback carries the previous upload's rounding, of a delta of up to this many steps
+    qmax = codec.QMAX.get(lcfg.codec) if lcfg.error_feedback else None
+    max_steps = lcfg.max_coalesce_windows * lcfg.inner_steps
     for name, t, p_linf in zip(names, tensors, param_linf):
-        bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, p_linf)
+        bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, p_linf, qmax=qmax, max_steps=max_steps)
         peak = linf(t)
         if peak > bound:
             raise InvalidArgument(
