@@ -314,4 +314,3 @@ def test_the_buffer_decay_and_gain_keep_the_steady_state_at_g_over_one_minus_mom
     # the fixed point of buf = d * buf + gain * g is g / (1 - momentum), whatever f and s
     assert gain / (1 - d) == pytest.approx(1 / 0.1)
     assert merge.buffer_decay_and_gain(0.9, 1.0) == pytest.approx((0.9, 1.0))
-

@@ -43,7 +43,6 @@ from ddiloco.common import quantize as qz
 
 CODECS = ("fp32", "int8", "int4")
 QMAX = {"int8": 127, "int4": 7}  # largest code of each lossy codec
-_QMAX = QMAX
 FORMAT = 2  # what encode writes
 FORMATS = (1, 2)  # what decode reads
 COMPRESSIONS = ("none", "zstd")
@@ -155,7 +154,7 @@ def _encode_flat(
                 raise CodecError(f"tensor {name!r} holds NaN or Inf")
             offset += 4 * n
             continue
-        qmax = _QMAX[codec]
+        qmax = QMAX[codec]
         nb = _nblocks(n, block_size)
         ncodes = n if codec == "int8" else (n + 1) // 2
         scales_np = raw[offset : offset + 4 * nb].view("<f4")
@@ -270,7 +269,7 @@ def decode(
             ncodes = n if codec == "int8" else (n + 1) // 2
             codes = buf[offset : offset + ncodes]
             offset += ncodes
-            qz.dequantize(codes.view(np.int8) if codec == "int8" else codes, _QMAX[codec], block_size, scales,
+            qz.dequantize(codes.view(np.int8) if codec == "int8" else codes, QMAX[codec], block_size, scales,
                           torch.from_numpy(values))
             # finite scales small enough make every value finite; only huge ones need a look
             finite = qz.scales_are_safe(scales) or bool(np.isfinite(values).all())
@@ -294,7 +293,7 @@ def max_block_error(values: np.ndarray, codec: str, block_size: int) -> np.ndarr
     n = x.numel()
     scales = torch.empty(_nblocks(n, block_size), dtype=torch.float32)
     codes = torch.empty(n if codec == "int8" else (n + 1) // 2, dtype=torch.int8 if codec == "int8" else torch.uint8)
-    qz.quantize(x, _QMAX[codec], block_size, scales, codes)
+    qz.quantize(x, QMAX[codec], block_size, scales, codes)
     return np.repeat(scales.numpy() / 2, block_size)[:n]
 
 
