@@ -79,9 +79,19 @@ def test_frozen_learner_is_passed_over_then_catches_up(system_factory):  # noqa:
         lambda: [e for e in s.events("pull") if e["learner"] == 0 and e["t"] > t_thaw and e["version"] >= v_thaw], 60,
         "learner 0 to pull the current global parameters",
     )
-    merged = wait_until(lambda: s.merges_with(0, after=t_thaw), 120, "learner 0's work to be merged again")
-    i = [d[0] for d in merged[0]["deltas"]].index(0)
-    assert merged[0]["staleness"][i] < 2, "after catching up its deltas are fresh again"
+    wait_until(lambda: s.merges_with(0, after=t_thaw), 120, "learner 0's work to be merged again")
+
+    # and its deltas are fresh again. Not necessarily the first: the window that was training
+    # when it froze folds the pulled version in part-way, and on a fast machine learner 1 may
+    # merge up to the bound meanwhile (CI saw exactly 2.0, still admitted). Later windows start
+    # from the current version and arrive inside the bound.
+    def fresh_merges():
+        own = [(e, [d[0] for d in e["deltas"]].index(0)) for e in s.merges_with(0, after=t_thaw)]
+        return [e for e, i in own if e["staleness"][i] < 2]
+
+    wait_until(fresh_merges, 120, "a merge of learner 0 inside the staleness bound after catching up")
+    assert all(st <= 2 for e in s.merges_with(0, after=t_thaw) for lid, st in zip((d[0] for d in e["deltas"]), e["staleness"])
+               if lid == 0), "nothing staler than the bound is merged"
     assert not [e for e in s.events("learner_failed") if e["learner"] == 0], "the stalled learner stopped"
     claimed = [(e["steps"], e["compute_seconds"]) for e in s.events("window") if e["learner"] == 0]
     assert all(c <= n * 3 for n, c in claimed), f"a window claims more compute than its steps can take: {claimed}"

@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+from ddiloco.chaos.local import wait_group_stopped
+
 from chaos_helpers import load_latest_checkpoint, system_factory, wait_until  # noqa: F401 - fixture
 
 
@@ -27,6 +29,9 @@ def _stop_mid_checkpoint(s, attempts: int = 200) -> str:
             "a checkpoint write", interval=0.0005,
         )
         os.killpg(pid, signal.SIGSTOP)
+        # kill(2) returns before a thread on another core has stopped: until every thread is
+        # seen stopped the write may still finish (and rename its folder) behind our back
+        wait_group_stopped(pid)
         if (root / tmp).exists():
             return tmp
         os.killpg(pid, signal.SIGCONT)  # the write finished first; catch the next one

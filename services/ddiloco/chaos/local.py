@@ -7,7 +7,10 @@ the port they had, so peers find them where they were; both find their state in 
 folder (``coordinator/state.json``; ``outer/checkpoints`` + ``outer/journal``). A learner is
 restarted with its id (``--learner-id``), so it registers again as itself.
 
-freeze: SIGSTOP / SIGCONT to the process group.
+freeze: SIGSTOP / SIGCONT to the process group. ``kill(2)`` returns before a thread running
+on another core has actually stopped, so a freeze returns only once every thread of the group
+is seen stopped (``/proc``): whatever the test or the schedule observes after it, the target
+no longer changes (a checkpoint folder seen half-written stays half-written).
 
 partition: cutting a datacenter off needs the network-namespace topology; a ``Partitioner``
 (``cut(dc)``/``heal(dc)``) is passed in where one exists, and a partition without one is a
@@ -17,7 +20,9 @@ clear error rather than a silent no-op.
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
+import time
 from typing import Protocol
 
 from ddiloco.launcher.processes import Cluster, Proc, Site
@@ -57,6 +62,38 @@ def _with_flag(args: list[str], name: str, value: str) -> list[str]:
     else:
         args += [name, value]
     return args
+
+
+def _stat_fields(stat: str) -> list[str]:
+    """The fields of a ``/proc/.../stat`` line after the command name (which may hold spaces
+    and parentheses): state, ppid, pgrp, ..."""
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def group_threads_states(pgid: int) -> list[str]:
+    """The scheduler state (``R``, ``S``, ``T``, ...) of every thread of every process in the
+    process group ``pgid``, read from ``/proc``."""
+    states = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if int(_stat_fields((proc / "stat").read_text())[2]) != pgid:
+                continue
+            for task in (proc / "task").iterdir():
+                states.append(_stat_fields((task / "stat").read_text())[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the process or thread ended while being read
+    return states
+
+
+def wait_group_stopped(pgid: int, timeout: float = 10.0) -> None:
+    """Return once every thread of the process group is stopped (``T``/``t``) or gone."""
+    deadline = time.monotonic() + timeout
+    while not all(state in "TtZX" for state in group_threads_states(pgid)):
+        if time.monotonic() > deadline:
+            raise FaultError(f"process group {pgid} did not stop within {timeout:g} s of SIGSTOP")
+        time.sleep(0.001)  # polling /proc: there is no event for "a thread has stopped"
 
 
 class LocalBackend:
@@ -166,6 +203,7 @@ class LocalBackend:
     def freeze(self, target: str) -> dict:
         pid = self.pid(target)
         os.killpg(pid, signal.SIGSTOP)
+        wait_group_stopped(pid)
         return {"pid": pid}
 
     def thaw(self, target: str) -> dict:
