@@ -25,6 +25,9 @@ try:
     import ddiloco.simulate  # noqa: F401
 except ModuleNotFoundError:  # not installed: run from the checkout
     sys.path.insert(0, str(ROOT / "services"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import common_bench as cb  # noqa: E402
 
 from ddiloco.simulate import calibrate, model, report  # noqa: E402
 from ddiloco.simulate.params import DAY, Params  # noqa: E402
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=None, help="seeds per cell (default 10; quick 2)")
     ap.add_argument("--days", type=float, default=None, help="simulated span (default 30; quick 3)")
+    ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = ap.parse_args(argv)
+    # the goodput figures are simulated and do not depend on the machine, but the month's CPU
+    # seconds do: git state and load average, as every bench records them
+    prov = cb.start_provenance(args.allow_dirty or args.quick, "goodput_sim")
 
     repeats = args.repeats or (2 if args.quick else 10)
     days = args.days or (3.0 if args.quick else 30.0)
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "PYTHONPATH=services python bench/goodput_sim.py" + (" --quick" if args.quick else "")
         report.write_json(out_dir / "goodput_sim.json", cells, p, command=command, seed=args.seed,
                           repeats=repeats, duration_days=days, timing_2p4m_month_cpu_s=timing,
-                          sensitivity=calibrate.sensitivity(Params()))
+                          sensitivity=calibrate.sensitivity(Params()), provenance=cb.finish_provenance(prov))
         print(f"wrote {out_dir / 'goodput_sim.json'}")
         if report.plot(out_dir / "goodput_sim.png", cells):
             print(f"wrote {out_dir / 'goodput_sim.png'}")

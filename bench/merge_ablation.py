@@ -25,7 +25,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "services"))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import common_bench as cb  # noqa: E402
 from ddiloco.launcher.run import LaunchOptions, launch  # noqa: E402
 
 VARIANTS = {
@@ -42,7 +44,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=600_000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "merge_ablation.json")
+    parser.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = parser.parse_args()
+    prov = cb.start_provenance(args.allow_dirty or args.quick, "merge_ablation")
     tokens, repeats = (60_000, 1) if args.quick else (args.tokens, args.repeats)
     base = ["--model", "tiny", "--learners", "4", "--inner-steps", "10", "--batch-size", "8",
             "--max-tokens", str(tokens), "--max-seconds", "1800", "--eval-interval", "3"]
@@ -76,8 +80,10 @@ def main() -> int:
         summary.append({"method": name, "mean_final_eval_loss": mean, "runs": len(losses), "vs_sync": mean / sync_loss - 1})
         print(f"| {name} | {len(losses)} | {mean:.4f} | {min(losses):.4f} | {max(losses):.4f} | {mean / sync_loss - 1:+.1%} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {"tokens": tokens, "repeats": repeats, "flags": base}, "rows": rows,
-                                    "summary": summary}, indent=2) + "\n")
+    command = "python bench/merge_ablation.py" + (" --quick" if args.quick else f" --tokens {tokens} --repeats {repeats}")
+    args.out.write_text(json.dumps({"command": command, "config": {"tokens": tokens, "repeats": repeats, "flags": base},
+                                    "provenance": cb.finish_provenance(prov), "rows": rows, "summary": summary},
+                                   indent=2) + "\n")
     print(f"\nwrote {args.out}")
     return 0
 

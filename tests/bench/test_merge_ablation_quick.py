@@ -20,4 +20,7 @@ def test_quick_ablation_writes_every_variant(tmp_path):
     data = json.loads(out.read_text())
     assert {r["method"] for r in data["rows"]} == {"sync", "naive", "staleness-gain-2", "ddiloco"}
     assert all(r["tokens"] > 0 for r in data["rows"])
+    assert data["command"] == "python bench/merge_ablation.py --quick"
+    prov = data["provenance"]
+    assert len(prov["git_rev"]) == 40 and len(prov["load_average_start"]) == 3 and len(prov["load_average_end"]) == 3
     assert "| method |" in proc.stdout

@@ -31,7 +31,10 @@ def test_quick_bench_prints_a_table_and_writes_json(tmp_path):
     )
     assert "| method | 150k | 300k | 600k | 1.2M | 2.4M |" in proc.stdout
     assert "2.4M chips, one simulated month" in proc.stdout
-    check_rows(json.loads((tmp_path / "goodput_sim.json").read_text()))
+    doc = json.loads((tmp_path / "goodput_sim.json").read_text())
+    check_rows(doc)
+    prov = doc["provenance"]  # the month's CPU seconds are a timing: where and when it ran
+    assert len(prov["git_rev"]) == 40 and len(prov["load_average_start"]) == 3 and len(prov["load_average_end"]) == 3
     try:
         import matplotlib  # noqa: F401
     except ImportError:
