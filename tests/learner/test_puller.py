@@ -7,8 +7,15 @@ The outer optimizer is a fake on a real gRPC socket (tests/learner/outer_fake.py
 
 from __future__ import annotations
 
+import collections
+
 import grpc
 import numpy as np
+
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.learner.puller import FragmentCopy, Puller
+from ddiloco.learner.stats import Stats
+from ddiloco.v1 import outer_pb2
 
 from learner_fixtures import outer, rig  # noqa: F401 - fixtures
 from outer_fake import CORRUPT, WRONG_BASE
@@ -123,3 +130,31 @@ def test_a_copy_holding_a_new_merge_of_its_own_delta_carries_how_long_that_delta
     wait_until(arrived, 10, "the catch-up version")
     assert got[0].version == 2 and got[0].lead_s == 0.0
     puller.stop()
+
+
+def test_a_fragment_is_downloaded_at_most_once_per_delta_of_it_sent(tmp_path):
+    """The download direction is never bigger than the upload direction: whatever the
+    status says (an own delta merged, or two rounds of others' work), a fragment is pulled
+    only while fewer changes of it were downloaded than deltas of it were sent. The decision
+    is read off a status message directly: no thread, no clock."""
+    sent = collections.Counter()
+    puller = Puller(lambda: None, 0, 2, 1000, 0.02, Stats(), MetricsLog(tmp_path / "m.jsonl", "learner"),
+                    uploads_of=lambda f: sent[f])
+    puller.copies = [FragmentCopy(version=0, merged_mine=0), FragmentCopy(version=0, merged_mine=0)]
+
+    def status(own: int, tokens: int):
+        return outer_pb2.OuterStatus(fragments=[
+            outer_pb2.FragmentStatus(fragment=f, version=1, merged_by_learner={0: own}, tokens_merged=tokens) for f in (0, 1)
+        ])
+
+    own_merged, far_behind = status(own=1, tokens=0), status(own=0, tokens=10**6)
+    assert puller._wanted(own_merged) == [] and puller._wanted(far_behind) == [], "nothing sent, nothing due"
+    sent[1] = 1
+    assert puller._wanted(own_merged) == [1] and puller._wanted(far_behind) == [1]
+    puller.downloads[1] = 1  # that one was taken
+    assert puller._wanted(own_merged) == [] and puller._wanted(far_behind) == []
+    sent[0], sent[1] = 1, 2
+    assert puller._wanted(own_merged) == [0, 1]
+    # and a new version is still needed: the bound never makes a learner pull what it has
+    puller.copies[0].version = 1
+    assert puller._wanted(own_merged) == [1]

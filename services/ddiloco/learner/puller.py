@@ -4,8 +4,14 @@ It watches the outer optimizer's status and pulls a fragment when it holds somet
 for this learner: its own latest delta of that fragment was merged (normally once per
 window), or at least ``CATCH_UP_ROUNDS`` rounds of other learners' work went into it since
 the learner's copy (so a learner whose deltas are refused as stale still catches up).
-A download costs about as much however many merges it spans, so pulling once per window
-keeps the download direction no bigger than the upload direction.
+A download costs about as much however many merges it spans, and it is quantized like an
+upload, so it is no bigger than one; and a fragment is downloaded at most once per delta of
+it this learner has sent (``uploads_of``), so the download direction is never bigger than
+the upload direction in total either. Without that bound it was, a little, under load: windows
+queued together travel as one upload, while a catch-up may come on top of the download of
+the learner's own merge (a loaded CI run: 210 downloads against about 206 uploads). A learner
+whose deltas are refused as stale still sends them, so it still catches up once per window.
+The initial full copy (``pull_all``) is not counted: it is the model, not a change.
 
 Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads``); the
 puller keeps that copy per fragment, applies each change to it exactly as the outer
@@ -90,8 +96,12 @@ class Puller:
         max_failures: int = MAX_FAILURES,
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 2.0,
+        uploads_of: Callable[[int], int] | None = None,
     ) -> None:
         self.client_factory = client_factory
+        # deltas of a fragment this learner has sent; None: no bound (a puller on its own)
+        self.uploads_of = uploads_of
+        self.downloads = [0] * fragments  # changes downloaded by the loop, per fragment
         self.max_failures = max_failures
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -165,7 +175,8 @@ class Puller:
                 continue
             own_merged = fs.merged_by_learner.get(self.learner_id, 0) > copy.merged_mine
             behind = fs.tokens_merged - copy.tokens_merged >= CATCH_UP_ROUNDS * self.round_tokens
-            if own_merged or behind:
+            paid_for = self.uploads_of is None or self.downloads[fs.fragment] < self.uploads_of(fs.fragment)
+            if (own_merged or behind) and paid_for:
                 out.append(fs.fragment)
         return out
 
@@ -212,6 +223,7 @@ class Puller:
                     before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
                     copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300)
+                    self.downloads[fragment] += 1
                     if before >= 0 and copy.merged_mine > before:
                         copy.lead_s = self._lead(status, fragment)
                     with self._lock:

@@ -113,6 +113,9 @@ class Uploader:
         self.backoff_initial_s = 0.2
         self.backoff_max_s = 5.0
         self.queue: collections.deque[Window] = collections.deque()  # not yet sent, oldest first
+        # deltas handed to the outer optimizer per fragment (whatever its verdict): the puller
+        # downloads a fragment at most once per upload of it
+        self.sent_by_fragment: collections.Counter[int] = collections.Counter()
         self.cond = threading.Condition()
         self.busy = False
         self.ended = False  # the thread is gone (stopped or failed): nothing queued will be sent
@@ -198,6 +201,10 @@ class Uploader:
                     self.busy = False
                     self.cond.notify_all()
 
+    def sent_of(self, fragment: int) -> int:
+        """Deltas of ``fragment`` sent so far (read by the puller's thread: one int, no lock needed)."""
+        return self.sent_by_fragment[fragment]
+
     def _encode(self, window: Window) -> codec.Encoded:
         try:
             if self.feedback is not None:
@@ -215,6 +222,7 @@ class Uploader:
         seq = self.next_seq
         self.next_seq += 1
         self.stats.add(deltas_sent=1)
+        self.sent_by_fragment[window.fragment] += 1
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         failures: collections.Counter[grpc.StatusCode] = collections.Counter()
         maybe_delivered = False  # an earlier attempt may have been accepted, its answer lost
@@ -293,7 +301,7 @@ class Uploader:
         The learner's copy moves on through the puller, so its next window is fresh again."""
         log.warning("upload seq %d refused: %s %s", seq, code.name, details)
         self.metrics.event(
-            "upload_refused", learner=self.learner_id, seq=seq, code=code.name, reason=details,
+            "upload_refused", learner=self.learner_id, seq=seq, fragment=window.fragment, code=code.name, reason=details,
             tokens=window.tokens, compute_seconds=round(window.compute_seconds, 4),
         )
 

@@ -306,6 +306,8 @@ class Learner:
         self.puller = Puller(
             self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
             self.stats, self.metrics,
+            # the uploader exists by the time the puller's loop runs (it starts after both are made)
+            uploads_of=lambda f: self.uploader.sent_of(f),
         )
         status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
