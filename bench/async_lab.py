@@ -30,6 +30,7 @@ exponential, mean in windows): disorder as the steady state, as 16 learner proce
 
     python bench/async_lab.py --discount-findings --jobs 2   # the staleness-discount table -> bench/results/async_lab_discount.json
     python bench/async_lab.py --disorder-findings --jobs 2     # the steady-disorder table -> bench/results/async_lab_disorder.json
+    python bench/async_lab.py --quorum-findings --jobs 2       # the quorum table -> bench/results/async_lab_quorum.json
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
@@ -77,7 +78,7 @@ class LabConfig:
     seed: int = 0
     # the algorithm
     sync: bool = False  # synchronous DiLoCo: every learner waits for the merge of its window
-    quorum: int = 1
+    quorum: int = 1  # 0: half the learners, rounded up (the outer optimizer's default now)
     grace_gamma: float = 0.5
     overlap_steps: int = 0  # 0: H
     staleness_gain: float = 0.0
@@ -143,6 +144,15 @@ VARIANTS: dict[str, dict] = {
     "spread-relative": {"upload_spread": 0.5, "discount_rule": "relative"},
     "delayed": {"discount_rule": "inverse", "outer_rule": "delayed"},
     "spread-delayed": {"upload_spread": 0.5, "discount_rule": "inverse", "outer_rule": "delayed"},
+    # the quorum under steady disorder (upload_spread 0.25: as much staleness as the real M = 16
+    # runs had), all with the discount 1/(1+s); "half" is the outer optimizer's default now
+    "spread25-inverse": {"upload_spread": 0.25, "discount_rule": "inverse"},
+    "spread25-grace-1": {"upload_spread": 0.25, "discount_rule": "inverse", "grace_gamma": 1.0},
+    "spread25-quorum-4": {"upload_spread": 0.25, "discount_rule": "inverse", "quorum": 4},
+    "spread25-half": {"upload_spread": 0.25, "discount_rule": "inverse", "quorum": 0},
+    "spread25-quorum-all": {"upload_spread": 0.25, "discount_rule": "inverse", "quorum": 10**6},
+    "half": {"discount_rule": "inverse", "quorum": 0},
+    "stalls-half": {"stall_rate": 0.1, "discount_rule": "inverse", "quorum": 0},
 }
 
 # The staleness-discount findings of docs/algorithm.md: each variant with the former rule
@@ -162,6 +172,18 @@ DISORDER_FINDINGS = [
     (16, 12_000_000, ["sync", "spread", "spread-inverse", "spread-relative"]),
     (16, 3_000_000, ["sync", "inverse", "relative", "spread-inverse", "spread-relative"]),
     (4, 3_000_000, ["sync", "inverse", "relative", "stalls-inverse", "stalls-relative"]),
+]
+
+# The quorum findings of docs/algorithm.md ("Quorum under steady disorder"): K = 1, a longer
+# grace window, K = 4, K = M/2 and K = M with steady disorder at M = 16, two seeds (seed 1 is
+# the one where synchronous DiLoCo runs far ahead, in the real system too); and K = M/2
+# against K = 1 calm at M = 16 and 8 and with stalls at M = 4. (learners, tokens, variants, seeds)
+QUORUM_FINDINGS = [
+    (16, 12_000_000, ["sync", "spread25-inverse", "spread25-grace-1", "spread25-quorum-4", "spread25-half",
+                      "spread25-quorum-all"], (0, 1)),
+    (16, 12_000_000, ["inverse", "half"], (1,)),
+    (8, 12_000_000, ["sync", "inverse", "half"], (0,)),
+    (4, 12_000_000, ["sync", "stalls-inverse", "stalls-half"], (0,)),
 ]
 
 # The findings of docs/algorithm.md: (learners, tokens, variants).
@@ -455,7 +477,7 @@ def run(lab: LabConfig, log=None) -> dict:
     def maybe_merge(t):
         nonlocal quorum_since, grace_timer_at
         distinct = len({d.learner for d in pending})
-        k = merge.quorum_size(m if lab.sync else lab.quorum, m)
+        k = merge.quorum_size(m if lab.sync else (lab.quorum or (m + 1) // 2), m)
         if distinct < k:
             quorum_since = None
             return
@@ -550,6 +572,8 @@ def main() -> int:
     ap.add_argument("--findings", action="store_true", help="run the grid of docs/algorithm.md (FINDINGS)")
     ap.add_argument("--discount-findings", action="store_true",
                     help="run the staleness-discount grid of docs/algorithm.md (DISCOUNT_FINDINGS)")
+    ap.add_argument("--quorum-findings", action="store_true",
+                    help="the quorum grid of docs/algorithm.md (QUORUM_FINDINGS; its own seeds)")
     ap.add_argument("--disorder-findings", action="store_true",
                     help="run the steady-disorder grid of docs/algorithm.md (DISORDER_FINDINGS)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
@@ -558,21 +582,24 @@ def main() -> int:
     if args.list_variants:
         print(json.dumps(VARIANTS, indent=1))
         return 0
-    named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "disorder_findings": DISORDER_FINDINGS}
+    named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "disorder_findings": DISORDER_FINDINGS,
+             "quorum_findings": QUORUM_FINDINGS}
     chosen = [k for k in named if getattr(args, k)]
     if len(chosen) > 1:
         ap.error("one findings grid at a time")
     if chosen:
-        grid = [(m, t, v) for m, t, vs in named[chosen[0]] for v in vs]
+        # a grid row may name its seeds (a fourth element); otherwise --seed
+        grid = [(m, t, v, seed) for m, t, vs, *seeds in named[chosen[0]]
+                for seed in (seeds[0] if seeds else (args.seed,)) for v in vs]
     else:
-        grid = [(args.learners, args.tokens, v) for v in (args.variant or ["sync", "ddiloco"])]
+        grid = [(args.learners, args.tokens, v, args.seed) for v in (args.variant or ["sync", "ddiloco"])]
     from common_bench import finish_provenance, start_provenance
 
     # virtual time: the losses do not depend on the machine's load, but the provenance is kept
     prov = start_provenance(args.allow_dirty or not (chosen or args.out), "async_lab")
     jobs = []
-    for m, tokens, name in grid:
-        lab = LabConfig(learners=m, tokens=tokens, seed=args.seed, **VARIANTS[name])
+    for m, tokens, name, seed in grid:
+        lab = LabConfig(learners=m, tokens=tokens, seed=seed, **VARIANTS[name])
         for kv in args.set:
             k, v = kv.split("=", 1)
             setattr(lab, k, json.loads(v))
@@ -591,12 +618,16 @@ def main() -> int:
             results.append(_job(job))
             _print(results[-1])
     default_out = {"findings": "async_lab.json", "discount_findings": "async_lab_discount.json",
-                   "disorder_findings": "async_lab_disorder.json"}.get(chosen[0]) if chosen else None
+                   "disorder_findings": "async_lab_disorder.json",
+                   "quorum_findings": "async_lab_quorum.json"}.get(chosen[0]) if chosen else None
     out = args.out or (ROOT / "bench" / "results" / default_out if default_out else None)
     if out:
-        base = {(r["config"]["learners"], r["config"]["tokens"]): r for r in results if r["variant"] == "sync"}
+        def key(r):
+            return r["config"]["learners"], r["config"]["tokens"], r["config"]["seed"]
+
+        base = {key(r): r for r in results if r["variant"] == "sync"}
         for r in results:
-            ref = base.get((r["config"]["learners"], r["config"]["tokens"]))
+            ref = base.get(key(r))
             r["vs_sync"] = round(r["final_eval_loss"] / ref["final_eval_loss"] - 1, 5) if ref else None
         command = (f"python bench/async_lab.py --{chosen[0].replace('_', '-')}" if chosen else " ".join(sys.argv))
         out.write_text(json.dumps({"command": command, **finish_provenance(prov), "rows": results}, indent=1))

@@ -87,7 +87,21 @@ def test_sync_without_a_quorum_waits_for_every_learner():
     add_run_flags(parser)
     assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6"])).outer.quorum == 6
     assert run_config_from_args(parser.parse_args(["--sync", "--learners", "6", "--quorum", "3"])).outer.quorum == 3
-    assert run_config_from_args(parser.parse_args(["--learners", "6"])).outer.quorum == 1
+    assert run_config_from_args(parser.parse_args(["--learners", "6"])).merge_quorum() == 3
+
+
+def test_the_default_quorum_is_half_the_learners_rounded_up_and_a_set_one_is_kept():
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    for m, k in ((1, 1), (2, 1), (3, 2), (4, 2), (8, 4), (16, 8), (17, 9)):
+        cfg = run_config_from_args(parser.parse_args(["--learners", str(m)]))
+        assert (cfg.outer.quorum, cfg.merge_quorum()) == (0, k), m
+    assert run_config_from_args(parser.parse_args(["--learners", "16", "--quorum", "1"])).merge_quorum() == 1
+    assert run_config_from_args(parser.parse_args(["--learners", "16", "--quorum", "16"])).merge_quorum() == 16
 
 
 def test_config_print_writes_the_effective_configuration_a_config_file_takes(monkeypatch, capsys, tmp_path):

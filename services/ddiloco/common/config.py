@@ -106,7 +106,10 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
-    quorum: int = 1  # K: a fragment merges once this many learners' deltas are pending
+    # K: a fragment merges once this many learners' deltas are pending (never more than are
+    # live). 0, the default: half the run's learners, rounded up (RunConfig.merge_quorum; why
+    # in docs/algorithm.md, "Quorum under steady disorder")
+    quorum: int = 0
     merge_rule: str = "weighted"  # weighted (tokens x tokens/step) | mean | rda
     # The work clock scales each merge by the fraction of a synchronous round it stands for.
     # Off reproduces the naive recipe (a full synchronous outer step per arrival), which
@@ -169,6 +172,12 @@ class RunConfig:
         ``Workload.round_tokens``; the benches of the built-in model use this)."""
         per_step = self.learner.batch_size * self.model.context
         return self.learners * self.learner.inner_steps * per_step
+
+    def merge_quorum(self) -> int:
+        """K as the outer optimizer applies it: ``outer.quorum``, or for 0 half the planned
+        learners rounded up, so that a merge carries at least half a round of work while up to
+        half the learners may be slow or dead without holding it up."""
+        return self.outer.quorum or (self.learners + 1) // 2
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -65,7 +65,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learner.max_coalesce_windows", "--max-coalesce-windows", _between(1, 1024), "1 to 1024"),
     ("outer.lr", "--outer-lr", _pos, "a positive, finite learning rate"),
     ("outer.momentum", "--outer-momentum", _between(0, 1, hi_open=True), "a fraction in [0, 1)"),
-    ("outer.quorum", "--quorum", _between(1, MAX_LEARNERS), "an integer of at least 1"),
+    ("outer.quorum", "--quorum", _between(0, MAX_LEARNERS), "0 (= half the learners, rounded up) or a number of learners"),
     ("outer.staleness_gain", "--staleness-gain", _nonneg, "a non-negative number"),
     ("outer.overlap_steps", "--overlap-steps", _nonneg, "0 (= H) or a positive number of steps"),
     ("outer.grace_gamma", None, _between(0, 1), "a fraction in [0, 1]"),

@@ -30,7 +30,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--outer-lr", "outer.lr", float, "outer SGD learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
     ("--staleness-gain", "outer.staleness_gain", float, "momentum memory shortens by this x staleness (default 0: off)"),
-    ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges"),
+    ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges (0, the default: half the learners)"),
     ("--fragments", "fragments", int, "P: parameter fragments, synced on staggered schedules"),
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
     ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),

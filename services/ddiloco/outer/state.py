@@ -228,7 +228,7 @@ class OuterState:
         with self.lock:
             due, since = decision.due_fragments(
                 [f.pending_learners() for f in self.fragments], [f.quorum_since for f in self.fragments],
-                self.config.outer.quorum, live_learners, grace_s, now,
+                self.config.merge_quorum(), live_learners, grace_s, now,
             )
             for frag, started in zip(self.fragments, since):
                 frag.quorum_since = started
@@ -247,7 +247,7 @@ class OuterState:
         with self.lock:
             if not frag.pending:
                 return False
-            if not force and not merge.quorum_met(len(frag.pending_learners()), ocfg.quorum, self.config.learners):
+            if not force and not merge.quorum_met(len(frag.pending_learners()), self.config.merge_quorum(), self.config.learners):
                 return False
             batch, frag.pending = frag.pending, []
             frag.quorum_since = None
