@@ -351,6 +351,7 @@ def run(lab: LabConfig, log=None) -> dict:
     # a seed means what it means in bench/quality_scale.py: the initial model and the order the
     # shards are read in (seed 0 leaves the data seed at its default, as every committed table has it)
     cfg.data.seed += lab.seed
+    cfg.outer.quorum = lab.quorum  # 0: the outer optimizer's default, RunConfig.merge_quorum
     cfg.model = dataclasses.replace(MODEL_PRESETS["tiny"])
     cfg.learner.inner_steps = lab.inner_steps
     cfg.learner.batch_size = lab.batch_size
@@ -477,7 +478,7 @@ def run(lab: LabConfig, log=None) -> dict:
     def maybe_merge(t):
         nonlocal quorum_since, grace_timer_at
         distinct = len({d.learner for d in pending})
-        k = merge.quorum_size(m if lab.sync else (lab.quorum or (m + 1) // 2), m)
+        k = merge.quorum_size(m if lab.sync else cfg.merge_quorum(), m)
         if distinct < k:
             quorum_since = None
             return
