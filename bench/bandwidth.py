@@ -42,7 +42,6 @@ import os
 import pathlib
 import platform
 import shlex
-import subprocess
 import sys
 import time
 
@@ -52,6 +51,7 @@ for p in (ROOT / "services", ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import quality  # noqa: E402  (the quality bench: its presets and ddiloco flags are ours)
+from common_bench import finish_provenance, start_provenance  # noqa: E402
 
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
 DDILOCO = [m for m in METHODS if m.startswith("ddiloco")]
@@ -136,17 +136,6 @@ def read_events(run_dir: pathlib.Path) -> list[dict]:
         except ValueError:
             continue  # a line cut short by a process killed mid-write
     return out
-
-
-def git_rev() -> str:
-    """HEAD, and whether services/ or bench/ differ from it (the numbers' provenance)."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "services", "bench/bandwidth.py",
-                                "bench/quality.py"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return rev + (" + uncommitted changes: " + " ".join(x.split()[-1] for x in dirty.splitlines()) if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def dp_span(events: list[dict]) -> tuple[float, float] | None:
@@ -351,6 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="loss for seconds_to_target_loss (default: the highest final eval loss of the measured rows)")
     p.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--runs-dir", type=pathlib.Path, default=None, help="run folders (default: runs/bandwidth-<time>)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run with uncommitted changes in services/ or bench/ (marked dirty; --quick implies it)")
     args = p.parse_args(argv)
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.method_list if m not in METHODS]
@@ -372,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except NetnsError as exc:
         print(f"bench/bandwidth.py: {exc}", file=sys.stderr)
         return 2
+    prov = start_provenance(args.allow_dirty or args.quick, "bandwidth")  # before anything runs
     preset = quality.PRESETS["quick" if args.quick else "cpu"]
     if args.budget:
         preset = dataclasses.replace(preset, budget_tokens=args.budget)
@@ -461,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 "compute_utilization": "sum of learners' (ranks') compute seconds / sum of their wall seconds",
                 "seconds_to_target_loss": "from training start to the first evaluation at or below target_loss",
             },
-            "git_rev": git_rev(),
+            **finish_provenance(prov),
             "python": platform.python_version(),
             "torch": __import__("torch").__version__,
             "cpus": os.cpu_count(),

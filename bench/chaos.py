@@ -62,7 +62,6 @@ import pathlib
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -139,15 +138,6 @@ class TargetedFault:
     freeze_s: float = 0.0
     window_s: float = 0.0
     record: dict = field(default_factory=dict)
-
-
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "services", "bench"], cwd=ROOT, capture_output=True, text=True).stdout
-        return rev + ("-dirty" if dirty.strip() else "")
-    except OSError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------------- targeted faults
@@ -630,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc = {
         "command": "python bench/chaos.py" + (" --quick" if args.quick else ""),
-        "git_rev": git_rev(),
+        "git_rev": prov["git_rev"],
         "host": f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'})",
         "settings": vars(s),
         "provenance": cb.finish_provenance(prov),

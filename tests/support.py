@@ -4,6 +4,7 @@ ambiguous as an import once several test folders have one."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from ddiloco.common.health import check
@@ -22,6 +23,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def assert_provenance(prov: dict) -> None:
+    """What every bench result records of where and when it ran (``bench/common_bench.py``):
+    the commit at start, whether ``services/`` or ``bench/`` had uncommitted changes (with the
+    diff's hash exactly when they had), the load average at start and end, and whether the
+    start was quiet enough to commit the result."""
+    assert re.fullmatch(r"[0-9a-f]{40}", prov["git_rev"]), prov.get("git_rev")
+    assert isinstance(prov["dirty"], bool) and prov["dirty"] == (prov["diff_sha256"] is not None), prov
+    assert prov["dirty"] == bool(prov["dirty_files"]), prov
+    for key in ("load_average_start", "load_average_end"):
+        assert len(prov[key]) == 3 and all(x >= 0 for x in prov[key]), (key, prov[key])
+    assert prov["load_ok"] == (prov["load_average_start"][0] <= 1.5), prov
 
 
 def wait_serving(address: str, timeout: float = 120.0) -> None:

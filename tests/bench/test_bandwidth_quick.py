@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_ROOT_REASON = (
     f"bench/bandwidth.py needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN) for network namespaces and tc; "
@@ -44,6 +46,7 @@ def test_one_invocation_measures_every_method(quick):
     expected = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
     assert methods == [m for m in expected if m not in data["config"]["skipped"]]
     assert "ddiloco-int4-fragments" in methods, data["config"]["skipped"]
+    assert_provenance(data["config"])
     for r in data["rows"]:
         assert ROW_KEYS <= set(r), r["method"]
         assert r["profile"] == "wan" and r["tokens"] > 0

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -25,6 +27,6 @@ def test_quick_codec_bench_writes_every_row(tmp_path):
         assert {(name, op) for op in ("encode", "encode_ef", "decode", "encode_zstd", "decode_zstd")} <= ops
     for r in data["rows"]:
         assert {"codec", "op", "gb_per_s", "vs_memcpy"} <= set(r) and r["gb_per_s"] > 0
-    assert data["provenance"]["git_rev"] and "load_average_start" in data["provenance"]
+    assert_provenance(data["provenance"])
     assert len(data["targets"]) == 6
     assert "| codec | op |" in proc.stdout

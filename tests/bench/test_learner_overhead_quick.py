@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -24,4 +26,5 @@ def test_quick_overhead_bench_writes_both_rates_and_their_ratio(tmp_path):
     assert result["ratios"] == [result["learners"][0]["tokens_per_second"] / around]
     assert result["ratio"] == result["ratios"][0]
     assert result["target"] == 0.95 and isinstance(result["met"], bool)
+    assert_provenance(result["provenance"])
     assert "| ratio, median of 1 (target >= 0.95) |" in proc.stdout

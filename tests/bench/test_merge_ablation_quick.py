@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,5 @@ def test_quick_ablation_writes_every_variant(tmp_path):
     assert {r["method"] for r in data["rows"]} == {"sync", "naive", "staleness-gain-2", "ddiloco"}
     assert all(r["tokens"] > 0 for r in data["rows"])
     assert data["command"] == "python bench/merge_ablation.py --quick"
-    prov = data["provenance"]
-    assert len(prov["git_rev"]) == 40 and len(prov["load_average_start"]) == 3 and len(prov["load_average_end"]) == 3
+    assert_provenance(data["provenance"])
     assert "| method |" in proc.stdout

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -19,8 +21,8 @@ def test_quick_outer_throughput_drives_whole_rounds_and_reports_headroom(tmp_pat
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "outer_throughput-quick.json").read_text())
-    assert doc["command"] == "python bench/outer_throughput.py --quick" and doc["git_rev"]
-    assert "load_average_start" in doc and "load_average_end" in doc
+    assert doc["command"] == "python bench/outer_throughput.py --quick"
+    assert_provenance(doc)
     [row] = doc["rows"]
     assert row["model"] == "tiny" and row["learners"] == 4 and row["rounds"] == 3
     # quorum M: every measured merge holds one delta of each learner, none waits for stragglers

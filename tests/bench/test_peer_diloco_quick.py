@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -49,9 +51,8 @@ def test_quick_run_writes_every_method(quick_run):
     assert "| method | tokens |" in proc.stdout and "| target |" in proc.stdout
     doc = json.loads((tmp / "results" / "peer_diloco-quick.json").read_text())
     cfg = doc["config"]
-    assert cfg["learners"] == 2 and cfg["git_rev"] and isinstance(cfg["dirty"], bool)
-    assert cfg["dirty"] == (cfg["diff_sha256"] is not None)
-    assert len(cfg["load_average_start"]) == 3 and len(cfg["load_average_end"]) == 3
+    assert cfg["learners"] == 2
+    assert_provenance(cfg)
     assert cfg["torchft"] == "0.2.0"
     assert cfg["budget_tokens"] == cfg["rounds"] * 2 * cfg["inner_steps"] * cfg["batch_size"] * 64
     rows = {r["method"]: r for r in doc["rows"]}

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW_KEYS = {"method", "budget", "budget_tokens", "final_eval_loss", "final_eval_accuracy", "tokens",
             "bytes_exchanged", "wall_seconds", "compute_seconds", "diverged"}
@@ -48,7 +50,7 @@ def test_quick_run_writes_table_json_and_png(quick_run):
     cfg = data["config"]
     assert cfg["learners"] == 4 and set(cfg["budgets"]) == {"N"}
     assert cfg["run_config"]["learner"]["inner_steps"] == cfg["inner_steps"]
-    assert cfg["git_rev"]
+    assert_provenance(data["provenance"])
     rows = data["rows"]
     assert [(r["method"], r["budget"]) for r in rows] == [
         ("diloco-sync", "N"), ("single", "N")]

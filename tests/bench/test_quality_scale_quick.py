@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW_KEYS = {"method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
             "staleness_mean", "wall_seconds", "curve"}
@@ -45,8 +47,8 @@ def test_quick_run_writes_the_issue_schema(quick_run):
     doc = json.loads((tmp / "results" / "quality_scale-quick.json").read_text())
     assert set(doc) == {"config", "rows", "targets"}
     cfg = doc["config"]
-    assert cfg["learners"] == [2] and cfg["seeds"] == [0] and cfg["git_rev"]
-    assert isinstance(cfg["dirty"], bool) and len(cfg["load_average_start"]) == 3 and len(cfg["load_average_end"]) == 3
+    assert cfg["learners"] == [2] and cfg["seeds"] == [0]
+    assert_provenance(cfg)
     rows = doc["rows"]
     assert [(r["method"], r["learners"], r["seed"]) for r in rows] == [("dp", 2, 0), ("ddiloco-int8", 2, 0)]
     for r in rows:

@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+from support import assert_provenance
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -26,5 +28,5 @@ def test_quick_wire_bench_writes_both_directions(tmp_path):
     for r in data["rows"]:
         assert {"payload_mb", "grpc_gb_per_s", "tcp_gb_per_s", "ratio"} <= set(r)
         assert r["payload_mb"] == 8 and r["grpc_gb_per_s"] > 0 and r["tcp_gb_per_s"] > 0
-    assert data["provenance"]["git_rev"] and "load_average_end" in data["provenance"]
+    assert_provenance(data["provenance"])
     assert "| direction |" in proc.stdout
