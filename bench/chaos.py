@@ -34,6 +34,15 @@ Issue 17 item 6: every row also gives ``time_to_sync_final_s``, the wall-clock s
 the start of training (the schedule's clock) at which its eval loss first reaches
 diloco-sync's final loss under the schedule (None: never; the modelled DP row has no curve).
 
+Emulated dedicated hardware (``--step-seconds``, default 0.1 s): every learner's and every
+DP rank's step takes at least that long, the wait counted as compute (``common/pacing.py``).
+M learners share this machine's two cores; without the floor a learner that waits (at
+synchronous DiLoCo's barrier, or killed) gives its core to the others, which then step
+faster, so waiting costs a method almost nothing here that it would cost on hardware of its
+own. The floor sits above the contended step time (about 0.06 s for the tiny model, batch 8,
+M = 8), so each learner steps at the emulated hardware's pace whatever the others do;
+``compute_per_step_s`` per row and ``checks.emulated_step_held`` show whether it held.
+
 DP is modelled, not run under faults: the data-parallel baseline has no checkpoint/restart,
 and a synchronous job that loses a rank stops as a whole. The model is the standard one, with
 assumptions that favour DP: a checkpoint every ``--dp-checkpoint-s`` seconds that costs
@@ -98,6 +107,9 @@ class Settings:
     backlog_freeze_s: float = 6.0  # outer frozen this long before the backlog kill
     checkpoint_kill_at: float = -1.0  # < 0: 0.7 x seconds
     checkpoint_window_s: float = 40.0  # how long to watch for a checkpoint being written
+    # emulated dedicated hardware (common/pacing.py): every learner's and every DP rank's step
+    # takes at least this long; 0: off (the learners share the machine's cores)
+    step_seconds: float = 0.0
 
     def run_flags(self) -> list[str]:
         return [
@@ -339,7 +351,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
     t0 = time.monotonic()
     result = run_with_targeted(
         LaunchOptions(out=out, run_flags=flags, learners=s.learners, device=s.device, progress=False,
-                      monitoring=False, timeout_s=s.seconds * 4 + 600),
+                      monitoring=False, timeout_s=s.seconds * 4 + 600, step_seconds=s.step_seconds),
         schedule,
         targeted,
     )
@@ -362,6 +374,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
         "tokens_trained": report["tokens_trained"],
         "tokens_merged": report.get("tokens_merged"),
         "outer_steps": report["outer_steps"],
+        "compute_per_step_s": compute_per_step(report),
         "versions_monotonic": audit["versions_monotonic"],
         "faults_injected": len(injected),
         "resume": resume_stats(events, s.inner_steps, s.batch_size * MODEL_PRESETS[s.model].context),
@@ -374,6 +387,14 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
         "wall_seconds": round(time.monotonic() - t0, 1),
         "run_dir": str(out),
     }
+
+
+def compute_per_step(report: dict) -> float | None:
+    """Mean seconds of compute per inner step over every learner (padding to the emulated
+    step time included): at the floor when the emulation held, above it where this
+    machine's contended cores made steps slower than the emulated hardware."""
+    steps = sum(x["inner_steps"] for x in report.get("learners", []))
+    return round(sum(x["compute_seconds"] for x in report["learners"]) / steps, 4) if steps else None
 
 
 def loss_curve(events: list[dict]) -> list[tuple[int, float]]:
@@ -436,7 +457,8 @@ def run_dp_fault_free(s: Settings, out: pathlib.Path) -> tuple[dict, dict]:
     from ddiloco.baselines.launch import launch_dp
 
     t_launch = time.time()
-    report = launch_dp(out, s.learners, s.run_flags(), extra_flags=["--device", s.device], timeout_s=s.seconds * 4 + 600)
+    report = launch_dp(out, s.learners, s.run_flags(), extra_flags=["--device", s.device, "--step-seconds", str(s.step_seconds)],
+                       timeout_s=s.seconds * 4 + 600)
     events = read_events(out / "metrics.jsonl")
     starts = [e["t"] for e in events if e["event"] == "dp_start"]
     # start-up: launch to the moment the last rank is ready to train
@@ -460,6 +482,8 @@ def run_dp_fault_free(s: Settings, out: pathlib.Path) -> tuple[dict, dict]:
         "waste": None,
         "initial_eval_loss": round(report["initial_eval_loss"], 4),
         "tokens_trained": report["tokens_trained"],
+        "compute_per_step_s": round(report["compute_seconds"] / (s.learners * report["optimizer_steps"]), 4)
+        if report["optimizer_steps"] else None,
         "modelled": False,
         "run_dir": str(out),
     }
@@ -515,15 +539,17 @@ def fmt(x, spec=".3f") -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| method | faults | goodput | final eval loss | acked deltas lost | deltas applied twice | "
-          "s to diloco-sync's final loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| method | faults | goodput | tokens trained | s per step | final eval loss | acked deltas lost | "
+          "deltas applied twice | s to diloco-sync's final loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         faults = "none" if r["faults"] == "none" else ("schedule, modelled" if r.get("modelled") else "schedule")
         reach = r.get("time_to_sync_final_s")
         reach_s = "n/a (modelled)" if r.get("modelled") else ("never" if reach is None else f"{reach:.0f}")
+        tokens = "n/a" if r.get("tokens_trained") is None else f"{r['tokens_trained']:,}"
         print(
-            f"| {r['method']} | {faults} | {fmt(r['goodput'])} | {fmt(r['final_eval_loss'], '.4f')} | "
+            f"| {r['method']} | {faults} | {fmt(r['goodput'])} | {tokens} | "
+            f"{fmt(r.get('compute_per_step_s'), '.4f')} | {fmt(r['final_eval_loss'], '.4f')} | "
             f"{fmt(r['acked_deltas_lost'])} | {fmt(r['deltas_applied_twice'])} | {reach_s} |"
         )
 
@@ -556,15 +582,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp-checkpoint-s", type=float, default=30.0, help="DP model: seconds between its (free) checkpoints")
     ap.add_argument("--out", type=pathlib.Path, default=None, help="run folders (default: /tmp/ddiloco-bench-chaos-<time>)")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--step-seconds", type=float, default=None, metavar="T",
+                    help="emulated dedicated hardware: every step at least T seconds (default 0.1 full, 0.02 quick; 0: off)")
     ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = ap.parse_args(argv)
     if args.quick:
         s = Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=12, outer_restart_after=2,
                      model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=args.device,
-                     backlog_freeze_s=2.0, checkpoint_kill_at=19, checkpoint_window_s=8.0)
+                     backlog_freeze_s=2.0, checkpoint_kill_at=19, checkpoint_window_s=8.0, step_seconds=0.02)
     else:
         s = Settings(learners=8, seconds=300, kill_every=60, restart_after=20, outer_kill_at=150, outer_restart_after=5,
-                     model="tiny", inner_steps=20, batch_size=8, dp_checkpoint_s=args.dp_checkpoint_s, device=args.device)
+                     model="tiny", inner_steps=20, batch_size=8, dp_checkpoint_s=args.dp_checkpoint_s, device=args.device,
+                     step_seconds=0.1)
+    if args.step_seconds is not None:
+        s.step_seconds = args.step_seconds
     if args.learners:
         s.learners = args.learners
     if args.seconds:
@@ -574,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     prov = cb.start_provenance(args.allow_dirty or args.quick, "chaos")
     out = args.out or pathlib.Path(f"/tmp/ddiloco-bench-chaos-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos bench: M={s.learners}, T={s.seconds:g}s, model {s.model}; faults: {s.describe_faults()}", file=sys.stderr)
+    print(f"chaos bench: M={s.learners}, T={s.seconds:g}s, model {s.model}, step >= {s.step_seconds:g}s; "
+          f"faults: {s.describe_faults()}", file=sys.stderr)
 
     rows = []
     for name, sync, chaos in (("ddiloco-clean", False, False), ("ddiloco-chaos", False, True), ("sync-chaos", True, True)):
@@ -617,6 +649,12 @@ def main(argv: list[str] | None = None) -> int:
         "acked_deltas_lost_zero": all(r["acked_deltas_lost"] == 0 for r in rows[:3]),
         "deltas_applied_twice_zero": all(r["deltas_applied_twice"] == 0 for r in rows[:3]),
         "versions_monotonic": all(r["versions_monotonic"] for r in rows[:3]),
+        # the emulation held where every measured row's mean step is within 10% of the floor
+        # (a contended core makes a step slower than the emulated hardware; never faster)
+        "step_seconds": s.step_seconds,
+        "emulated_step_held": s.step_seconds > 0 and all(
+            r["compute_per_step_s"] is not None and r["compute_per_step_s"] <= 1.1 * s.step_seconds
+            for r in rows if not r.get("modelled")),
     }
     doc = {
         "command": "python bench/chaos.py" + (" --quick" if args.quick else ""),

@@ -102,3 +102,25 @@ def test_bad_input_gets_a_clear_error(argv, message, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_step_seconds_pads_each_steps_compute_as_the_learners_are(tmp_path):
+    from ddiloco.baselines.dp import DPOptions, run_rank
+    from ddiloco.common.config import MODEL_PRESETS, RunConfig
+
+    cfg = RunConfig(model=MODEL_PRESETS["tiny"], max_tokens=10 * BATCH * CONTEXT, max_seconds=600)
+    cfg.learner.batch_size = BATCH
+    cfg.data.max_bytes = 600_000
+    report = run_rank(cfg, DPOptions(rank=0, world_size=1, out=tmp_path, step_seconds=0.05))
+    assert report["optimizer_steps"] == 10
+    assert report["compute_seconds"] >= 0.999 * 10 * 0.05
+    start = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"dp_start"' in line]
+    assert start[0]["step_seconds"] == 0.05
+
+
+def test_negative_step_seconds_are_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "dp", "--out", str(tmp_path), "--world-size", "2",
+                           "--max-tokens", "1000", "--step-seconds", "-1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--step-seconds: step seconds must be finite and >= 0" in proc.stderr
+    assert not (tmp_path / "report.json").exists()

@@ -68,6 +68,17 @@ def test_quick_bench_writes_every_row(quick_run):
     assert_provenance(doc["provenance"])
 
 
+def test_every_measured_row_ran_on_emulated_dedicated_hardware(quick_run):
+    _, tmp = quick_run
+    doc = json.loads((tmp / "results" / "chaos-quick.json").read_text())
+    t = doc["settings"]["step_seconds"]
+    assert t == 0.02 and doc["checks"]["step_seconds"] == t
+    for r in doc["rows"]:
+        if not r["modelled"]:
+            # every step at least T (but the one a drain or a kill cuts short)
+            assert r["compute_per_step_s"] >= 0.9 * t, r
+
+
 def test_faults_cost_nothing_acknowledged(quick_run):
     _, tmp = quick_run
     rows = json.loads((tmp / "results" / "chaos-quick.json").read_text())["rows"]

@@ -105,3 +105,13 @@ def test_a_learner_whose_first_download_keeps_arriving_corrupt_exits_non_zero_wi
     assert code == 1, log[-3000:]
     assert "learner failing (setup): download of fragment 0 failed 6 times in a row" in log
     assert "Traceback" not in log
+
+
+def test_a_learner_whose_emulated_step_outlasts_the_runs_lease_is_refused_before_it_joins(run):
+    cluster, fake = run
+    proc = cluster.start_learner(0, ["--device", "cpu", "--step-seconds", "30"])  # the run's lease: 10 s
+    code = proc.popen.wait(timeout=240)
+    log = proc.log_path.read_text()
+    assert code != 0
+    assert "learner cannot join this run: step seconds 30.0 must be below the run's lease (10.0 s)" in log
+    assert _events(cluster, "learner_start") == [] and fake.accepted == []

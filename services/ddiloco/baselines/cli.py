@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="training device (auto: cuda if present)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     parser.add_argument("--collective-timeout", type=float, default=600.0, help="seconds before a missing peer fails an all-reduce")
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, metavar="T",
+        help="emulate dedicated hardware: each step's compute takes at least T seconds (default 0: off), as a "
+        "ddiloco run's learners with the same flag",
+    )
     add_run_flags(parser, only=DP_FLAGS)
     parser.epilog = (
         "--max-tokens is the total across ranks; the per-rank batch is --batch-size, so the global batch is "
@@ -59,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
             master_port=args.master_port,
             device=args.device,
             collective_timeout_s=args.collective_timeout,
+            step_seconds=args.step_seconds,
         ),
     )
     if args.world_size > 1:
@@ -78,7 +84,15 @@ def _launch_all(args: argparse.Namespace, out: pathlib.Path) -> int:
     from ddiloco.baselines.launch import DPFailed, launch_dp
 
     run_config_from_args(args)  # bad flags fail here, once, not in W children
-    extra = ["--device", args.device, "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout)]
+    from ddiloco.common import pacing
+
+    try:
+        pacing.check(step_seconds=args.step_seconds)
+    except ValueError as exc:
+        print(f"ddiloco dp: error: --step-seconds: {exc}", file=sys.stderr)
+        return 2
+    extra = ["--device", args.device, "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout),
+             "--step-seconds", str(args.step_seconds)]
     try:
         report = launch_dp(out, args.world_size, forward_run_flags(args), master_addr=args.master_addr,
                            master_port=args.master_port, extra_flags=extra)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddiloco.baselines import netcount
+from ddiloco.common import pacing
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
@@ -52,6 +53,7 @@ class DPOptions:
     master_port: int = 29500
     device: str = "cpu"
     collective_timeout_s: float = 600.0  # a dead peer fails the others after this long
+    step_seconds: float = 0.0  # > 0: each step's compute takes at least this long (dedicated hardware; common/pacing.py)
 
 
 def validate(config: RunConfig, options: DPOptions) -> None:
@@ -61,6 +63,10 @@ def validate(config: RunConfig, options: DPOptions) -> None:
         raise SystemExit(f"--rank must be in [0, {options.world_size}), got {options.rank}")
     if config.max_tokens <= 0 and config.max_seconds <= 0:
         raise SystemExit("give a budget: --max-tokens or --max-seconds")
+    try:
+        pacing.check(step_seconds=options.step_seconds)
+    except ValueError as exc:
+        raise SystemExit(f"--step-seconds: {exc}") from None
 
 
 def params_sha256(params: list[torch.Tensor]) -> str:
@@ -125,7 +131,8 @@ class Trainer:
         out = self.options.out
         if self.rank == 0:
             write_json(out / "config.json", __import__("json").loads(cfg.to_json()))
-        self.metrics.event("dp_start", rank=self.rank, world_size=self.world, device=str(self.device), max_steps=self.max_steps)
+        self.metrics.event("dp_start", rank=self.rank, world_size=self.world, device=str(self.device), max_steps=self.max_steps,
+                           step_seconds=self.options.step_seconds)
         initial_loss = initial_acc = None
         if self.rank == 0:
             initial_loss, initial_acc = self._eval(0, 0)
@@ -159,7 +166,12 @@ class Trainer:
             self.optimizer.step()
             mean_loss, stop_all = float(flat[-2]), float(flat[-1]) > 0  # .item() also syncs CUDA timing
             t3 = time.perf_counter()
-            compute_s += (t1 - t0) + (t3 - t2)
+            # emulated dedicated hardware: the step's compute (not its all-reduce) padded to
+            # the learners' step time, so that the two are compared on the same hardware
+            wait = pacing.step_wait((t1 - t0) + (t3 - t2), step_seconds=self.options.step_seconds)
+            if wait > 0:
+                time.sleep(wait)
+            compute_s += (t1 - t0) + (t3 - t2) + wait
             comm_s += t2 - t1
             step += 1
             loss_sum += mean_loss

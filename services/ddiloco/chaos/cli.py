@@ -24,6 +24,7 @@ import sys
 import time
 
 from ddiloco.chaos.faults import Fault, Schedule, check_target, parse_duration, parse_fault, periodic, random_faults
+from ddiloco.common import pacing
 from ddiloco.common.cliargs import apply_env_defaults
 from ddiloco.common.runflags import add_run_flags, forward_run_flags
 
@@ -33,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="local: run folder (default: runs/chaos-<time>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="local: learners' device")
     parser.add_argument("--quiet", action="store_true", help="local: no progress lines")
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, metavar="T",
+        help="local: emulate dedicated hardware, every learner's inner step at least T seconds (default 0: off)",
+    )
     from ddiloco.launcher.cli import _topology_arguments
 
     _topology_arguments(parser)  # --topology local|netns (partitions need netns), --profile, --wan-qdisc
@@ -102,13 +107,18 @@ def main(args: argparse.Namespace) -> int:
             print(f"ddiloco chaos: error: {exc.code}", file=sys.stderr)
             return 2
         raise
+    try:
+        pacing.check(step_seconds=args.step_seconds, lease_timeout_s=cfg.lease_timeout_s)
+    except ValueError as exc:
+        print(f"ddiloco chaos: error: {exc}", file=sys.stderr)
+        return 2
     out = args.out or pathlib.Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     horizon = cfg.max_seconds  # the run's budget: the schedule plays within it
     schedule = build_schedule(args, horizon)
     print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     learners = args.cfg_learners if args.cfg_learners is not None else 4
     options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, device=args.device,
-                            progress=not args.quiet,
+                            progress=not args.quiet, step_seconds=args.step_seconds,
                             topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc))
     try:
         options.topology.validate()

@@ -21,7 +21,7 @@ from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
 from ddiloco.chaos.partition import NetnsPartitioner
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.launcher.processes import Cluster
-from ddiloco.launcher.run import LaunchOptions, LaunchResult, progress_line, run_tls
+from ddiloco.launcher.run import LaunchOptions, LaunchResult, pacing_flags, progress_line, run_tls
 from ddiloco.launcher.topology import make_topology
 
 
@@ -72,8 +72,7 @@ def run_with_chaos(
             cluster.start_outer()
             for i in range(options.learners):
                 extra = ["--device", options.device, "--learner-id", str(i)]
-                if i in options.slowdown:
-                    extra += ["--slowdown", str(options.slowdown[i])]
+                extra += pacing_flags(options, i)
                 extra += options.learner_flags.get(i, [])
                 cluster.start_learner(i, extra)
             controller.start()

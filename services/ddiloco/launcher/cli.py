@@ -9,6 +9,7 @@ import pathlib
 import sys
 import time
 
+from ddiloco.common import pacing
 from ddiloco.common.cliargs import apply_env_defaults
 from ddiloco.common.runflags import add_run_flags, forward_run_flags, run_config_from_args
 
@@ -19,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slow", action="append", default=[], metavar="ID:FACTOR",
         help="make learner ID this many times slower (repeatable), e.g. --slow 3:3",
+    )
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, metavar="T",
+        help="emulate dedicated hardware: every learner's inner step takes at least T seconds "
+        "(default 0: off; for many learners sharing this machine's cores)",
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
     parser.add_argument(
@@ -112,6 +118,17 @@ def main(args: argparse.Namespace) -> int:
             slow[int(lid)] = float(factor)
         except ValueError:
             raise SystemExit(f"--slow expects ID:FACTOR, got {item!r}")
+    unknown = sorted(i for i in slow if not 0 <= i < learners)
+    if unknown:
+        print(f"ddiloco run: error: --slow names learner {unknown[0]}, but the run's learners are 0 to {learners - 1}",
+              file=sys.stderr)
+        return 2
+    try:
+        for factor in [*slow.values(), 1.0]:
+            pacing.check(factor, args.step_seconds, config.lease_timeout_s)
+    except ValueError as exc:
+        print(f"ddiloco run: error: {exc}", file=sys.stderr)
+        return 2
     if not 1 <= args.ranks_per_learner <= MAX_RANKS:
         print(f"ddiloco run: error: --ranks-per-learner must be 1 to {MAX_RANKS}, got {args.ranks_per_learner}", file=sys.stderr)
         return 2
@@ -121,6 +138,7 @@ def main(args: argparse.Namespace) -> int:
         learners=learners,
         device=args.device,
         slowdown=slow,
+        step_seconds=args.step_seconds,
         learner_flags={i: ["--nproc-per-learner", str(args.ranks_per_learner)] for i in range(learners)}
         if args.ranks_per_learner > 1 else {},
         progress=not args.quiet,

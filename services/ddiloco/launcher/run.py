@@ -22,6 +22,7 @@ class LaunchOptions:
     learners: int
     device: str = "auto"
     slowdown: dict[int, float] = field(default_factory=dict)
+    step_seconds: float = 0.0  # every learner's step at least this long (dedicated hardware; common/pacing.py)
     learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
     resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
@@ -77,8 +78,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
             cluster.start_outer(_http(endpoints, "outer", cluster.hub.host, options))
             for i in range(options.learners):
                 extra = ["--device", options.device]
-                if i in options.slowdown:
-                    extra += ["--slowdown", str(options.slowdown[i])]
+                extra += pacing_flags(options, i)
                 extra += options.learner_flags.get(i, [])
                 extra += _http(endpoints, f"learner-{i}", cluster.site_of(i).host, options, learner=i)
                 cluster.start_learner(i, extra)
@@ -97,6 +97,16 @@ def launch(options: LaunchOptions) -> LaunchResult:
         topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
     return LaunchResult(report, failures, options.out, interrupted)
+
+
+def pacing_flags(options: LaunchOptions, learner: int) -> list[str]:
+    """Learner ``learner``'s emulated-hardware flags (common/pacing.py)."""
+    flags = []
+    if learner in options.slowdown:
+        flags += ["--slowdown", str(options.slowdown[learner])]
+    if options.step_seconds > 0:
+        flags += ["--step-seconds", str(options.step_seconds)]
+    return flags
 
 
 def run_tls(options: LaunchOptions) -> pathlib.Path | None:

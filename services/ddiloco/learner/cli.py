@@ -9,6 +9,7 @@ import pathlib
 import signal
 import sys
 
+from ddiloco.common import pacing
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
 from ddiloco.common.security import add_security_arguments, security_from_args
 
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learner-id", type=int, default=-1, help="rejoin under this id (default: a free one)")
     parser.add_argument("--datacenter", default="", help="label of this learner's datacenter")
     parser.add_argument("--slowdown", type=float, default=1.0, help="emulate hardware this many times slower")
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, metavar="T",
+        help="emulate dedicated hardware: each inner step takes at least T seconds, the wait counted as compute "
+        "(default 0: off; for many learners sharing a machine's cores, see docs/chaos.md)",
+    )
     parser.add_argument("--batch-size", type=int, default=0, help="override the run's batch size for this learner")
     parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (of each rank)")
@@ -45,6 +51,11 @@ def main(args: argparse.Namespace) -> int:
     if not 1 <= args.nproc_per_learner <= MAX_RANKS:
         print(f"ddiloco learner: error: --nproc-per-learner must be 1 to {MAX_RANKS}, got {args.nproc_per_learner}",
               file=sys.stderr)
+        return 2
+    try:
+        pacing.check(args.slowdown, args.step_seconds)
+    except ValueError as exc:
+        print(f"ddiloco learner: error: {exc}", file=sys.stderr)
         return 2
     setup_logging("learner", args.log_level)
     try:
@@ -74,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
             learner_id=learner_id,
             datacenter=args.datacenter,
             slowdown=args.slowdown,
+            step_seconds=args.step_seconds,
             batch_size=args.batch_size,
             inner_steps=args.inner_steps,
             metrics_port=args.metrics_port,

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from ddiloco.common import auth
+from ddiloco.common import auth, pacing
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import offset, partition
@@ -79,6 +79,7 @@ class LearnerOptions:
     learner_id: int = -1  # >= 0: rejoin under this id
     datacenter: str = ""
     slowdown: float = 1.0  # > 1 emulates slower hardware: each step takes this many times as long
+    step_seconds: float = 0.0  # > 0 emulates dedicated hardware: each step takes at least this long (common/pacing.py)
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
     ranks: int = 1  # processes of this learner's torch.distributed group (ddiloco.learner.group)
@@ -219,6 +220,11 @@ class Learner:
             what="fetch the run configuration", max_elapsed=600, stop=self.drain,
         )
         run_config = RunConfig.from_json(run.config_json)
+        try:
+            pacing.check(self.options.slowdown, self.options.step_seconds, run_config.lease_timeout_s)
+        except ValueError as exc:
+            self.server.stop(grace=0)
+            raise SystemExit(f"learner cannot join this run: {exc}") from None
         req.instance_token = self.instance_token
         req.model.CopyFrom(self._signature(run_config))
         lease_wait_until = None
@@ -337,6 +343,7 @@ class Learner:
             first_seq=first_seq,
             device=str(self.device),
             slowdown=self.options.slowdown,
+            step_seconds=self.options.step_seconds,
         )
 
     # ------------------------------------------------------------------ training
@@ -408,9 +415,11 @@ class Learner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so that the timing below is honest
             dt = time.perf_counter() - t0
-            if self.options.slowdown > 1:
-                # emulated slower hardware: the extra time counts as compute, as it would there
-                self.drain.wait((self.options.slowdown - 1) * dt)
+            wait = pacing.step_wait(dt, self.options.slowdown, self.options.step_seconds)
+            if wait > 0:
+                # emulated slower or dedicated hardware: the wait counts as compute, as that
+                # hardware's work would
+                self.drain.wait(wait)
                 dt = time.perf_counter() - t0
             if dt > self.config.lease_timeout_s:
                 # No step takes longer than a lease (the learner would lose it first): the

@@ -1,0 +1,71 @@
+"""``ddiloco run --step-seconds T`` and ``--slow ID:FACTOR``: emulated hardware for learners
+that share this machine's cores (common/pacing.py). A real run: every learner's steps take
+at least T, counted as compute; settings no hardware has are refused before anything
+starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import TINY_RUN
+
+T = 0.05
+
+
+@pytest.fixture(scope="module")
+def paced_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paced")
+    # 2 learners x 60 steps of 4 x 64 tokens: each step of this tiny model computes in a few
+    # milliseconds here, so without the floor a learner would step far faster than T
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "run", "--learners", "2", "--max-tokens", str(2 * 60 * 4 * 64),
+         "--max-seconds", "120", "--out", str(out), "--quiet", "--insecure", "--no-monitoring",
+         "--step-seconds", str(T), *TINY_RUN],
+        capture_output=True, text=True, timeout=300,
+    )
+    return proc, out
+
+
+def test_every_learner_step_takes_at_least_t_counted_as_compute(paced_run):
+    proc, out = paced_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    for learner in report["learners"]:
+        assert learner["inner_steps"] > 0
+        # the drain cuts the wait of the step it falls in short: every other step took T
+        assert learner["compute_seconds"] >= 0.999 * T * (learner["inner_steps"] - 1), learner
+
+
+def test_learners_record_the_hardware_they_emulate(paced_run):
+    _, out = paced_run
+    starts = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if '"learner_start"' in line]
+    assert len(starts) == 2
+    assert all(e["step_seconds"] == T and e["slowdown"] == 1.0 for e in starts)
+
+
+def _refused(capsys, *argv: str) -> str:
+    from ddiloco.cli import main
+
+    capsys.readouterr()
+    assert main(["run", "--learners", "2", "--insecure", *argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("ddiloco run: error: "), lines
+    return lines[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--step-seconds", "-0.1"], "step seconds must be finite and >= 0"),
+    (["--step-seconds", "nan"], "step seconds must be finite and >= 0"),
+    (["--step-seconds", "10"], "must be below the run's lease (10.0 s)"),
+    (["--slow", "0:0.5"], "slowdown must be a finite factor >= 1"),
+    (["--slow", "2:3"], "--slow names learner 2, but the run's learners are 0 to 1"),
+])
+def test_settings_no_hardware_has_are_refused_before_anything_starts(capsys, tmp_path, argv, message):
+    line = _refused(capsys, "--out", str(tmp_path / "run"), *argv)
+    assert message in line
+    assert not (tmp_path / "run").exists()
