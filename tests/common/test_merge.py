@@ -113,10 +113,30 @@ def test_a_backlog_of_k_rounds_moves_one_synchronous_step_plus_the_rest_at_unit_
         assert -p.item() == pytest.approx(0.7 * 1.9 + (k - 1.0), rel=1e-6)
 
 
-def test_a_backlog_decays_the_momentum_for_the_rounds_it_stands_for():
+def test_a_backlog_averages_its_rate_into_the_momentum_for_the_rounds_it_stands_for():
+    """From rest: the first round adds g; the 2 rounds beyond it decay by 0.9^2 and add
+    (1 - 0.9^2) / 0.1 g, as two ordinary rounds of the same rate would."""
     opt = merge.WorkClockNesterov(0.7, 0.9)
     opt.step([torch.zeros(1)], [torch.ones(1)], 3.0)
-    assert opt.buffers[0].item() == pytest.approx(0.9**2, rel=1e-6)
+    assert opt.buffers[0].item() == pytest.approx(0.9**2 + (1 - 0.9**2) / 0.1, rel=1e-6)
+
+
+def test_an_outage_leaves_the_steady_state_momentum_and_the_next_rounds_update_unchanged():
+    """A synchronous run's buffer survives an outer-optimizer outage as it was; so does the
+    work clock's, whatever the backlog merged at the restart: the round after it moves the
+    steady-state 7 g again."""
+    for backlog in (1.5, 3.5, 10.0):
+        opt = merge.WorkClockNesterov(0.7, 0.9)
+        p = torch.zeros(1)
+        for _ in range(300):
+            opt.step([p], [torch.ones(1)], 1.0)
+        steady = opt.buffers[0].item()
+        assert steady == pytest.approx(10.0, rel=1e-6)
+        opt.step([p], [torch.ones(1)], backlog)
+        assert opt.buffers[0].item() == pytest.approx(steady, rel=1e-6)
+        before = p.item()
+        opt.step([p], [torch.ones(1)], 1.0)
+        assert before - p.item() == pytest.approx(7.0, rel=1e-6)
 
 
 def test_a_backlog_costs_one_step_whatever_the_work_it_claims():
