@@ -45,3 +45,9 @@ def test_a_step_as_long_as_a_lease_is_refused():
     pacing.check(step_seconds=9.99, lease_timeout_s=10.0)
     with pytest.raises(ValueError, match="lease"):
         pacing.check(step_seconds=10.0, lease_timeout_s=10.0)
+
+
+def test_a_stalled_step_is_not_multiplied_by_the_slowdown():
+    # the process was stopped for most of this step: waiting 3 x that would idle it for long
+    assert pacing.step_wait(16.0, slowdown=4.0, step_seconds=0.1, stalled_after_s=3.0) == 0.0
+    assert pacing.step_wait(2.0, slowdown=4.0, stalled_after_s=3.0) == pytest.approx(6.0)

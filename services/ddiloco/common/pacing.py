@@ -38,7 +38,15 @@ def check(slowdown: float = 1.0, step_seconds: float = 0.0, lease_timeout_s: flo
         )
 
 
-def step_wait(compute_s: float, slowdown: float = 1.0, step_seconds: float = 0.0) -> float:
+def step_wait(compute_s: float, slowdown: float = 1.0, step_seconds: float = 0.0,
+              stalled_after_s: float = math.inf) -> float:
     """Seconds to wait after a step whose compute took ``compute_s``: the step then takes
-    max(slowdown x compute, step_seconds), or its compute alone if that is longer."""
+    max(slowdown x compute, step_seconds), or its compute alone if that is longer.
+
+    A step longer than ``stalled_after_s`` did not compute all that time: the process was
+    stopped (SIGSTOP, a paused VM). That time is not the hardware's, and multiplying it by
+    the slowdown would keep a thawed learner idle for (S - 1) x its freeze (a 16 s freeze
+    under ``--slowdown 4`` kept one idle 48 s): no wait."""
+    if compute_s > stalled_after_s:
+        return 0.0
     return max(0.0, max(compute_s * slowdown, step_seconds) - compute_s)

@@ -415,7 +415,8 @@ class Learner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # so that the timing below is honest
             dt = time.perf_counter() - t0
-            wait = pacing.step_wait(dt, self.options.slowdown, self.options.step_seconds)
+            wait = pacing.step_wait(dt, self.options.slowdown, self.options.step_seconds,
+                                    stalled_after_s=self.config.lease_timeout_s)
             if wait > 0:
                 # emulated slower or dedicated hardware: the wait counts as compute, as that
                 # hardware's work would
