@@ -26,7 +26,7 @@ theirs.
     python bench/quality_scale.py                       # everything: run it alone on the machine
     python bench/quality_scale.py --learners 8 --seeds 0 --methods diloco-sync,ddiloco-int8
     python bench/quality_scale.py --quick               # smoke test: M=2, one seed, tens of thousands of tokens
-    python bench/quality_scale.py --summarize bench/results/quality_scale.json   # targets of a result, no run
+    python bench/quality_scale.py --summarize bench/results/quality_scale_m4_m16.json   # targets of a result, no run
 
 Writes ``bench/results/quality_scale.json`` (``quality_scale-quick.json`` with --quick):
 ``{"config": {...}, "rows": [{"method", "learners", "seed", "tokens", "final_eval_loss",
