@@ -14,6 +14,11 @@
 # learners.json (`ddiloco certs setup`), and its datacenter index picks its own certificate,
 # learner-<index>, written to DDILOCO_TLS_DIR before anything dials.
 #
+# Outer shards: with DDILOCO_OUTER_SHARDS > 1 an outer replica takes its shard index from
+# DDILOCO_TASK_SLOT (Swarm) or, with DDILOCO_SHARD_FROM=replica, from its container name
+# (Compose), and advertises its own address (replicas share the service's DNS name): the
+# first one starting with DDILOCO_ADVERTISE_PREFIX when set (the network learners reach it on).
+#
 # Swarm and Kubernetes have no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until
 # each answers the gRPC health check; DDILOCO_TASK_SLOT (1-based, from {{.Task.Slot}}) or
 # JOB_COMPLETION_INDEX gives a replicated learner its datacenter index, and with
@@ -49,6 +54,29 @@ if [ "$role" = learner ] && [ -z "${DDILOCO_ADVERTISE:-}" ]; then
     bind=${DDILOCO_BIND:-0.0.0.0:50060}
     addr=$(hostname -i 2> /dev/null | awk '{print $1}')
     if [ -n "$addr" ]; then export DDILOCO_ADVERTISE="$addr:${bind##*:}"; fi
+fi
+
+if [ "$role" = outer ] && [ "${DDILOCO_OUTER_SHARDS:-1}" != 1 ]; then
+    if [ -z "${DDILOCO_SHARD:-}" ]; then
+        if [ -n "${DDILOCO_TASK_SLOT:-}" ]; then
+            export DDILOCO_SHARD="$((DDILOCO_TASK_SLOT - 1))"
+        elif [ "${DDILOCO_SHARD_FROM:-}" = replica ]; then
+            # without its index a shard would serve another's fragments: stop
+            index=$(ddiloco wan replica-index) || { log "cannot tell which outer shard this is"; exit 1; }
+            export DDILOCO_SHARD="$index"
+        fi
+    fi
+    addr=""
+    for a in $(hostname -i 2> /dev/null); do
+        case "$a" in "${DDILOCO_ADVERTISE_PREFIX:-}"*) addr=$a && break ;; esac
+    done
+    if [ -z "$addr" ]; then
+        log "no address of this outer shard starts with '${DDILOCO_ADVERTISE_PREFIX:-}' ($(hostname -i 2> /dev/null))"
+        exit 1
+    fi
+    bind=${DDILOCO_BIND:-0.0.0.0:50052}
+    export DDILOCO_ADVERTISE="$addr:${bind##*:}"
+    log "outer shard ${DDILOCO_SHARD:-?} of $DDILOCO_OUTER_SHARDS at $DDILOCO_ADVERTISE"
 fi
 
 if [ "$role" = learner ] && [ -n "${DDILOCO_TLS_BUNDLE:-}" ]; then

@@ -1,10 +1,13 @@
-"""The real thing: `DDILOCO_LEARNERS=2 docker compose --profile wan up` with a short budget.
+"""The real thing: `DDILOCO_LEARNERS=2 DDILOCO_OUTER_SHARDS=2 docker compose --profile wan up`
+with a short budget.
 
-Asserts that exactly two learner containers started, each knowing its datacenter from its
-replica number, that every service became healthy, that each learner container's link carries
+Asserts that exactly two learner containers and two outer-optimizer shards started, each
+knowing its datacenter (learners) or shard (outer) from its replica number, that every
+service became healthy, that each learner container's link carries
 the wan profile's tc shaping (read back from the kernel inside the container), that the
-learner process then ran unprivileged, that the eval loss went down and that deltas from
-every learner were merged. Tears down with `docker compose down -v`.
+learner process then ran unprivileged, that the eval loss went down, that deltas from every
+learner were merged and that each shard merged its own fragment. (The monitoring test runs
+Compose with one outer optimizer.) Tears down with `docker compose down -v`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ ENV = {
     "DDILOCO_MODEL": "tiny",
     # a run flag passed through the coordinator's environment; less data, quicker start
     "DDILOCO_DATA_BYTES": "600000",
+    # the outer optimizer as two shards, one fragment each
+    "DDILOCO_OUTER_SHARDS": "2",
+    "DDILOCO_FRAGMENTS": "2",
     # not the default subnets, so that a user's own `docker compose up` can run beside it
     "DDILOCO_SUBNET": "10.79",
     "COMPOSE_PROFILES": PROFILE,
@@ -70,13 +76,15 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
     compose("up", "--detach", "--wait", "--wait-timeout", "420", *SERVICES, timeout=480)
     healthy_at = time.monotonic() - t0
 
-    ids = {s: container(s) for s in ("coordinator", "outer")}
+    coordinator = container("coordinator")
+    outers = compose("ps", "-a", "-q", "outer").stdout.split()
+    assert len(outers) == 2, f"DDILOCO_OUTER_SHARDS=2 started {len(outers)} outer containers"
     replicas = compose("ps", "-a", "-q", LEARNER).stdout.split()
     assert len(replicas) == LEARNERS, f"DDILOCO_LEARNERS={LEARNERS} started {len(replicas)} learner containers"
     # replica n (its container number, from its name) is datacenter n-1
     number = {cid: int(inspect(cid)["Config"]["Labels"]["com.docker.compose.container-number"]) for cid in replicas}
     assert sorted(number.values()) == list(range(1, LEARNERS + 1))
-    for cid in [*ids.values(), *replicas]:
+    for cid in [coordinator, *outers, *replicas]:
         state = inspect(cid)["State"]
         health = state.get("Health", {})
         passed = [h for h in health.get("Log", []) if h.get("ExitCode") == 0]
@@ -102,9 +110,10 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
         assert times, f"no {action!r} event for {cid}"
         return min(times)
 
-    assert when(ids["outer"], "start") >= when(ids["coordinator"], "health_status: healthy")
+    for cid in outers:
+        assert when(cid, "start") >= when(coordinator, "health_status: healthy")
     for cid in replicas:
-        assert when(cid, "start") >= when(ids["outer"], "health_status: healthy")
+        assert when(cid, "start") >= max(when(o, "health_status: healthy") for o in outers)
 
     for cid, n in number.items():
         exec_ = ("exec", "-T", "--index", str(n), LEARNER)
@@ -124,7 +133,7 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
 
     # the coordinator exits 0 once the budget is spent, the learners drained and the
     # final evaluation written
-    code = run("docker", "wait", ids["coordinator"], timeout=BUDGET_S + 240).stdout.strip()
+    code = run("docker", "wait", coordinator, timeout=BUDGET_S + 240).stdout.strip()
     assert code == "0", f"coordinator exited {code}"
     report = json.loads(compose("run", "--rm", "-T", "report").stdout)
     print(f"healthy after {healthy_at:.0f} s; report: {json.dumps({k: v for k, v in report.items() if k != 'learners'})}")
@@ -135,6 +144,9 @@ def test_compose_wan_run_trains_shaped_and_health_gated(stack):
     assert sorted(learners) == list(range(LEARNERS))
     for lid, entry in learners.items():
         assert entry["deltas_merged"] > 0, f"no delta of learner {lid} was merged: {entry}"
-    for cid in [ids["outer"], *replicas]:  # they leave once the coordinator says the run is over
+    # replica n of the outer service was shard n-1, owning fragment n-1
+    assert [(s["shard"], s["fragments"]) for s in report["outer_shards"]] == [(0, [0]), (1, [1])], report
+    assert all(s["merges"] > 0 for s in report["outer_shards"]), report["outer_shards"]
+    for cid in [*outers, *replicas]:  # they leave once the coordinator says the run is over
         code = run("docker", "wait", cid, timeout=120).stdout.strip()
         assert code == "0", f"{cid} exited {code}"

@@ -113,6 +113,24 @@ def test_compose_starts_exactly_ddiloco_learners_learners(profile, learners):
     assert f"--learners={n}" in rendered["services"]["coordinator"]["command"]
 
 
+@pytest.mark.parametrize("shards", [None, "3"])
+def test_compose_starts_one_outer_replica_per_outer_shard(shards):
+    """`DDILOCO_OUTER_SHARDS=S docker compose up` plans the run for S outer shards and starts
+    S outer replicas, each of which takes its shard from its replica number and advertises
+    its own address (entrypoint); one replica keeps the service's name."""
+    compose_plugin()
+    env = {"DDILOCO_OUTER_SHARDS": shards, "COMPOSE_PROFILES": None}
+    rendered = json.loads(run("docker", "compose", "-f", str(COMPOSE_FILE), "config", "--format", "json", env=env).stdout)
+    n = int(shards or 1)
+    outer = rendered["services"]["outer"]
+    assert outer["deploy"]["replicas"] == n
+    assert outer["environment"]["DDILOCO_OUTER_SHARDS"] == str(n)
+    assert outer["environment"]["DDILOCO_SHARD_FROM"] == "replica"
+    assert outer["environment"]["DDILOCO_ADVERTISE"] == "outer:50052"
+    assert "--advertise" not in " ".join(outer["command"])  # a flag would beat the entrypoint's address
+    assert rendered["services"]["coordinator"]["environment"]["DDILOCO_OUTER_SHARDS"] == str(n)
+
+
 def test_compose_passes_a_learners_ranks_and_the_workload_through_from_the_shell():
     """`DDILOCO_NPROC_PER_LEARNER=2 DDILOCO_WORKLOAD=... docker compose up` runs each learner
     as a group of 2 ranks and the run on the user's workload: Compose hands the variables to

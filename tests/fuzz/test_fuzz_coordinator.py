@@ -20,8 +20,8 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
 * ``Leave``: like Heartbeat but always poisoned (another or empty run id, an id that is not
   a member, or statistics that are negative, non-finite or beyond any learner's reach,
   e.g. tokens = 2^63 - 1), since an accepted Leave is a legitimate membership change.
-* ``RegisterService``: another run id or a kind other than "outer" (an accepted one would
-  legitimately move the outer address).
+* ``RegisterService``: another run id, a kind other than "outer", or an outer shard the run
+  does not have (an accepted one would legitimately move the outer address).
 * ``GetRunConfig``, ``GetMembership``; ``grpc.health.v1`` Check with any service name.
 
 Asserted for every request: the status is OK or precise (never UNKNOWN, INTERNAL, a
@@ -211,6 +211,10 @@ def leave_requests(draw, s: System):
 @st.composite
 def register_service_requests(draw, s: System):
     req = coordinator_pb2.RegisterServiceRequest(run_id=s.run_id, kind="outer", address=draw(texts()))
+    if draw(st.integers(0, 3)) == 0:
+        # only the shard is wrong: the run has one outer shard, 0
+        req.shard = draw(int32s().filter(lambda i: i != 0))
+        return req
     if draw(st.booleans()):
         req.run_id = draw(texts().filter(lambda r: r != s.run_id))
     else:

@@ -21,6 +21,7 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
   (uncompressed or zstd, XXH3-128). A "wild" form draws every field at random.
 * ``PullGlobal``: any run id, learner id, have_version, fragment.
 * ``UploadOffset``: any run id, learner id, sequence, offset, declared size.
+* ``ReadFragment``: any run id, fragment.
 * ``GetStatus``: any wait_newer_than, wait_ms either short (<= 30 ms) or above the bound.
 * ``Finalize`` while the run is running; ``grpc.health.v1`` Check with any service name.
 
@@ -344,6 +345,14 @@ def upload_offset_requests(s: System, version: int):
     )
 
 
+def read_requests():
+    return st.builds(
+        outer_pb2.ReadFragmentRequest,
+        run_id=st.one_of(st.just(RUN_ID), st.just(""), texts()),
+        fragment=st.one_of(st.just(0), int32s()),
+    )
+
+
 def status_requests():
     return st.builds(
         outer_pb2.StatusRequest,
@@ -360,6 +369,7 @@ def requests(s: System, version: int):
         push_requests(s, version).map(lambda r: ("PushDelta", r)),
         pull_requests(s).map(lambda r: ("PullGlobal", r)),
         upload_offset_requests(s, version).map(lambda r: ("UploadOffset", r)),
+        read_requests().map(lambda r: ("ReadFragment", r)),
         status_requests().map(lambda r: ("GetStatus", r)),
         st.integers(0, 9).map(lambda _: ("Finalize", outer_pb2.FinalizeRequest())),
         texts(60).map(lambda n: ("Health", health_pb2.HealthCheckRequest(service=n))),
@@ -395,6 +405,11 @@ def test_hostile_requests_get_precise_statuses_and_change_nothing(system, exampl
             resp, code = calls.call(lambda: s.stub.UploadOffset(req, timeout=30))
             if code == grpc.StatusCode.OK:
                 assert resp.offset == 0 and req.header.learner_id in s.ids and req.header.run_id == RUN_ID, (req, resp)
+        elif rpc == "ReadFragment":
+            resp, code = calls.call(lambda: list(s.stub.ReadFragment(req, timeout=30)))
+            if code == grpc.StatusCode.OK:
+                assert req.run_id == RUN_ID and req.fragment == 0, req
+                assert resp[0].header.version == version and resp[0].header.base_version == -1
         elif rpc == "GetStatus":
             resp, code = calls.call(lambda: s.stub.GetStatus(req, timeout=30))
             assert (code == grpc.StatusCode.OK) == (req.wait_ms <= 10_000), (req, code)

@@ -47,14 +47,14 @@ def make_delta(specs, run_id: str, learner: int, seq: int, base: int, seed: int,
 
 
 def state_specs(state, fragment: int = 0):
-    frag = state.fragments[fragment]
-    return [(state.names[i], tuple(state.params[i].shape)) for i in frag.tensor_ids]
+    frag = state.fragment(fragment)
+    return [(state.names[i], state.shapes[i]) for i in frag.tensor_ids]
 
 
 def push(state, learner: int, seq: int, seed: int, fragment: int = 0):
-    """Accept one valid delta into an in-process ``OuterState``."""
+    """Accept one valid delta into an in-process ``OuterState`` (or the shard owning ``fragment``)."""
     header, payload = make_delta(
-        state_specs(state, fragment), state.config.run_id, learner, seq, state.fragments[fragment].version, seed, fragment
+        state_specs(state, fragment), state.config.run_id, learner, seq, state.fragment(fragment).version, seed, fragment
     )
     return state.accept(header, payload)
 

@@ -71,5 +71,5 @@ def test_after_a_restore_what_was_accepted_but_not_applied_is_counted_again():
 
 def test_work_every_fragment_has_is_the_minimum_over_fragments():
     rec = LearnerRecord(tokens_merged={0: 300, 1: 200})
-    assert rec.work(rec.tokens_merged, 2) == 200
-    assert rec.work(rec.tokens_merged, 3) == 0
+    assert rec.work(rec.tokens_merged, range(2)) == 200
+    assert rec.work(rec.tokens_merged, range(3)) == 0

@@ -225,6 +225,10 @@ def test_a_learner_cannot_call_what_only_the_coordinator_or_outer_may(system):
     learner = system.learners[0]
     refused(system, lambda: learner.outer.Finalize(outer_pb2.FinalizeRequest(), timeout=10),
             grpc.StatusCode.PERMISSION_DENIED, "may not call Finalize")
+    # a full fp32 fragment is for the outer shard that evaluates, not for learners
+    read = outer_pb2.ReadFragmentRequest(run_id=RUN, fragment=0)
+    refused(system, lambda: list(learner.outer.ReadFragment(read, timeout=10)),
+            grpc.StatusCode.PERMISSION_DENIED, "may not call ReadFragment")
     announce = coordinator_pb2.RegisterServiceRequest(run_id=RUN, kind="outer", address="evil:1")
     refused(system, lambda: learner.coordinator.RegisterService(announce, timeout=10),
             grpc.StatusCode.PERMISSION_DENIED, "may not call RegisterService")

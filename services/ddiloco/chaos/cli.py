@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _topology_arguments(parser)  # --topology local|netns (partitions need netns), --profile, --wan-qdisc
     g = parser.add_argument_group("faults")
     g.add_argument("--kill-every", type=parse_duration, default=None, metavar="DUR", help="kill --target every DUR (e.g. 60s)")
-    g.add_argument("--target", default="learner", help="target of --kill-every: learner, learner:ID, outer, coordinator")
+    g.add_argument("--target", default="learner", help="target of --kill-every: learner, learner:ID, outer, outer:I (shard I; outer alone: shard 0), coordinator")
     g.add_argument("--restart-after", type=parse_duration, default=parse_duration("20s"), metavar="DUR",
                    help="restart a killed service after DUR (inf: never)")
     g.add_argument("--freeze-every", type=parse_duration, default=None, metavar="DUR", help="SIGSTOP --freeze-target every DUR")
@@ -115,9 +115,16 @@ def main(args: argparse.Namespace) -> int:
     out = args.out or pathlib.Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
     horizon = cfg.max_seconds  # the run's budget: the schedule plays within it
     schedule = build_schedule(args, horizon)
+    shards = [int(f.target.split(":")[1]) for f in schedule.faults if f.target.startswith("outer:")]
+    beyond = [i for i in shards if i >= cfg.outer_shards]
+    if beyond:
+        print(f"ddiloco chaos: error: a fault targets outer:{beyond[0]}, but the run has {cfg.outer_shards} outer "
+              f"shard{'s' if cfg.outer_shards > 1 else ''} (--outer-shards)", file=sys.stderr)
+        return 2
     print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     learners = args.cfg_learners if args.cfg_learners is not None else 4
-    options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, device=args.device,
+    options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, outer_shards=cfg.outer_shards,
+                            device=args.device,
                             progress=not args.quiet, step_seconds=args.step_seconds,
                             topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc))
     try:

@@ -41,9 +41,17 @@ def check_target(kind: str, target: str) -> None:
         if not target.split(":", 1)[1].isdigit():
             raise ValueError(f"learner target must be learner:ID with a number, got {target!r}")
         return
+    if target.startswith("outer:"):  # one outer shard of several ("outer" alone: shard 0)
+        if not target.split(":", 1)[1].isdigit():
+            raise ValueError(f"outer shard target must be outer:I with a number, got {target!r}")
+        if kind == "partition":
+            raise ValueError(f"partition cuts off a datacenter (dcN or learner:ID), not {target!r}")
+        return
     if kind == "partition" and re.fullmatch(r"[A-Za-z0-9_.-]+", target):
         return  # a datacenter name
-    raise ValueError(f"unknown target {target!r} for {kind}: learner, learner:ID, outer, coordinator (partition: a datacenter)")
+    raise ValueError(
+        f"unknown target {target!r} for {kind}: learner, learner:ID, outer, outer:I, coordinator (partition: a datacenter)"
+    )
 
 
 @dataclass(frozen=True)

@@ -144,11 +144,17 @@ class LocalBackend:
             if p.returncode() is not None:
                 continue
             role = self._role(p)
-            if target in ("outer", "coordinator") and role == target:
+            if target in ("outer", "coordinator") and role == target and (target != "outer" or self._shard(p) == 0):
+                return p
+            if target.startswith("outer:") and role == "outer" and self._shard(p) == int(target.split(":")[1]):
                 return p
             if target.startswith("learner:") and role == "learner" and self.learner_id_of(p) == int(target.split(":")[1]):
                 return p
         raise FaultError(f"no running process for {target}")
+
+    def _shard(self, proc: Proc) -> int:
+        """The outer shard a process serves (0: the one outer optimizer)."""
+        return int(_flag(self._args(proc), "--shard") or 0)
 
     def datacenter_of(self, target: str) -> str:
         if not target.startswith("learner:"):
@@ -173,8 +179,8 @@ class LocalBackend:
     # ------------------------------------------------------------------ faults
     def kill(self, target: str) -> dict:
         proc = self.proc(target)
-        if target == "outer":
-            self.cluster.registered_outer()  # remember its address to restart it there
+        if target == "outer" or target.startswith("outer:"):
+            self.cluster.registered_outer()  # remember its address (every shard's) to restart it there
         self.cluster.procs.remove(proc)  # first: a supervisor must not see this as a failure
         try:
             os.killpg(proc.popen.pid, signal.SIGKILL)
@@ -190,8 +196,14 @@ class LocalBackend:
             raise FaultError(f"{target} was not killed by this backend")
         args = self._args(old)
         bind = _flag(args, "--bind") or ""
-        if target in ("coordinator", "outer") and bind.endswith(":0"):  # peers know its port: take it again
-            address = self.cluster.coordinator_address if target == "coordinator" else self.cluster.outer_address
+        if (target in ("coordinator", "outer") or target.startswith("outer:")) and bind.endswith(":0"):
+            # peers know its port: take it again
+            if target == "coordinator":
+                address = self.cluster.coordinator_address
+            elif target.startswith("outer:") and self.cluster.outer_shards:
+                address = self.cluster.outer_shards[int(target.split(":")[1])]
+            else:
+                address = self.cluster.outer_address
             if address:
                 args = _with_flag(args, "--bind", f"{bind.rsplit(':', 1)[0]}:{address.rsplit(':', 1)[1]}")
         proc = self.cluster.spawn(old.name, args, site=Site(wrap=command_of(old)[0]))  # same namespace as before

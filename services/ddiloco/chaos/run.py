@@ -69,7 +69,7 @@ def run_with_chaos(
         try:
             topology.start(options.out)
             cluster.start_coordinator(options.run_flags)
-            cluster.start_outer()
+            cluster.start_outers(options.outer_shards)
             for i in range(options.learners):
                 extra = ["--device", options.device, "--learner-id", str(i)]
                 extra += pacing_flags(options, i)

@@ -149,6 +149,10 @@ class RunConfig:
     run_id: str = "run"
     learners: int = 4  # M: the number of learners (and data shards) the run is planned for
     fragments: int = 1  # P: parameter fragments, each synced on its own staggered schedule
+    # S: outer-optimizer shards; shard I owns the fragments f with f % S == I
+    # (``common/fragments.shard_of``), holds their parameters, momentum, journal and
+    # checkpoints, and merges them on its own. At most P.
+    outer_shards: int = 1
     max_seconds: float = 150.0  # training budget, from the moment the first learner joins
     max_tokens: int = 0  # 0: no token budget
     seed: int = 0

@@ -39,6 +39,7 @@ def _between(lo, hi, lo_open=False, hi_open=False) -> Callable[[float], bool]:
 RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learners", "--learners", _between(1, MAX_LEARNERS), f"an integer from 1 to {MAX_LEARNERS:,}"),
     ("fragments", "--fragments", _between(1, MAX_FRAGMENTS), f"an integer from 1 to {MAX_FRAGMENTS}"),
+    ("outer_shards", "--outer-shards", _between(1, MAX_FRAGMENTS), "an integer from 1 to --fragments"),
     ("max_seconds", "--max-seconds", _pos, "a positive, finite duration"),
     ("max_tokens", "--max-tokens", _nonneg, "0 (no token budget) or a positive number of tokens"),
     ("seed", "--seed", _between(0, 2**63 - 1), "an integer from 0 to 2^63 - 1"),
@@ -96,6 +97,9 @@ def problems(cfg: RunConfig) -> list[str]:
     if not out:
         if cfg.model.d_model % cfg.model.n_head:
             out.append(f"model.d_model ({cfg.model.d_model}) must be a multiple of model.n_head ({cfg.model.n_head})")
+        if cfg.outer_shards > cfg.fragments:
+            out.append(f"--outer-shards ({cfg.outer_shards}) must be at most --fragments ({cfg.fragments}): "
+                       "a shard owns whole fragments, and one without any would hold nothing")
         if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
             out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
                        f"({cfg.heartbeat_interval_s})")

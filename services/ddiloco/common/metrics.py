@@ -15,6 +15,15 @@ import time
 
 log = logging.getLogger(__name__)
 
+# The sources whose "eval" and "finalize" events evaluate the global model: the outer
+# optimizer, or with several outer shards shard 0 (outer/gather.py). Shard I writes as "outer-I".
+EVALUATOR_SOURCES = ("outer", "outer-0")
+
+
+def is_outer(source: str | None) -> bool:
+    """Whether an event's source is the outer optimizer or one of its shards."""
+    return source == "outer" or (source or "").startswith("outer-")
+
 
 class MetricsLog:
     def __init__(self, path: pathlib.Path | None, source: str) -> None:

@@ -32,6 +32,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--staleness-gain", "outer.staleness_gain", float, "momentum memory shortens by this x staleness (default 0: off)"),
     ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges (0, the default: half the learners)"),
     ("--fragments", "fragments", int, "P: parameter fragments, synced on staggered schedules"),
+    ("--outer-shards", "outer_shards", int, "S: outer-optimizer shards, shard I owning the fragments f with f %% S == I (at most P)"),
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
     ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),
     ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),

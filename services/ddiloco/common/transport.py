@@ -148,6 +148,11 @@ class OuterClient:
         req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
         return self._stub.GetStatus(req, timeout=timeout + wait_s)
 
+    def status_future(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0):
+        """``status`` as a grpc future (one long poll per shard, ``common/shard_client.py``)."""
+        req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
+        return self._stub.GetStatus.future(req, timeout=timeout + wait_s)
+
     def last_seq(self, timeout: float = 3.0) -> int:
         """The last sequence number the outer optimizer accepted from this learner id (0: none)."""
         status = self.status(timeout)

@@ -230,7 +230,8 @@ OUTER_SERVICE = "ddiloco.v1.OuterOptimizer"
 def outer_handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
     """The OuterOptimizer's method handlers, as the generated
     ``add_OuterOptimizerServicer_to_server`` builds them, except that the two chunk streams
-    use ``chunk_parser`` (uploads) and ``serialize`` (downloads, from ``stream_frames``)."""
+    use ``chunk_parser`` (uploads) and ``serialize`` (downloads and fragment reads, from
+    ``stream_frames``)."""
     return {
         "PushDelta": grpc.stream_unary_rpc_method_handler(
             servicer.PushDelta,
@@ -256,6 +257,11 @@ def outer_handlers(servicer) -> dict[str, grpc.RpcMethodHandler]:
             servicer.UploadOffset,
             request_deserializer=outer_pb2.UploadOffsetRequest.FromString,
             response_serializer=outer_pb2.UploadOffsetResponse.SerializeToString,
+        ),
+        "ReadFragment": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadFragment,
+            request_deserializer=outer_pb2.ReadFragmentRequest.FromString,
+            response_serializer=serialize,
         ),
     }
 

@@ -96,7 +96,8 @@ class Membership:
         self.lock = threading.RLock()
         self._save_lock = threading.Lock()  # keeps saves in order: a stale view never overwrites a newer one
         self.members: dict[int, MemberRecord] = {}
-        self.outer_address = ""
+        # every outer shard's address by shard index ("" until it registers)
+        self.outer_shards: list[str] = [""] * config.outer_shards
         self.state = coordinator_pb2.RUN_STATE_WAITING
         self.elapsed_before = 0.0  # seconds of RUNNING before a coordinator restart
         self.running_since: float | None = None
@@ -193,8 +194,10 @@ class Membership:
         with self.lock:
             if self.state in (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED):
                 raise FailedPrecondition(f"run is {STATE_NAMES[self.state]}; not accepting learners")
-            if not self.outer_address:
-                raise Unavailable("the outer optimizer has not registered yet")
+            missing = [i for i, a in enumerate(self.outer_shards) if not a]
+            if missing:
+                which = "the outer optimizer has" if len(self.outer_shards) == 1 else f"outer shards {missing} have"
+                raise Unavailable(f"{which} not registered yet")
             learner_id = requested if requested >= 0 else self._free_id(token)
             rec = self.members.get(learner_id)
             if rec is not None and self.is_alive(rec) and rec.instance_token != token:
@@ -257,9 +260,19 @@ class Membership:
             rec.left = True
             self.save()
 
-    def set_outer(self, address: str) -> None:
+    @property
+    def outer_address(self) -> str:
+        """Outer shard 0's address (the outer optimizer's, when the run has one shard)."""
+        return self.outer_shards[0]
+
+    def set_outer(self, address: str, shard: int = 0) -> None:
+        """Outer shard ``shard`` serves at ``address`` (again, after a restart)."""
+        if not 0 <= shard < len(self.outer_shards):
+            raise InvalidArgument(f"outer shard {shard} does not exist; the run has {len(self.outer_shards)} (--outer-shards)")
+        if not address or len(address) > 255:
+            raise InvalidArgument(f"an outer shard's address is HOST:PORT, got {address[:64]!r}")
         with self.lock:
-            self.outer_address = address
+            self.outer_shards[shard] = address
             self.save()
 
     def tick(self) -> list[tuple[str, dict]]:
@@ -321,6 +334,7 @@ class Membership:
                 run_id=self.config.run_id,
                 state=self.state,
                 outer_address=self.outer_address,
+                outer_shards=self.outer_shards,
                 elapsed_seconds=self.elapsed(),
                 members=[
                     coordinator_pb2.Member(
@@ -346,7 +360,7 @@ class Membership:
             doc = {
                 "run_id": self.config.run_id,
                 "state": self.state,
-                "outer_address": self.outer_address,
+                "outer_shards": self.outer_shards,
                 "elapsed": self.elapsed(),
                 "members": [
                     {
@@ -373,7 +387,12 @@ class Membership:
         if doc["run_id"] != self.config.run_id:
             raise RuntimeError(f"{self.state_path} belongs to run {doc['run_id']!r}, not {self.config.run_id!r}")
         self.state = doc["state"]
-        self.outer_address = doc["outer_address"]
+        shards = doc.get("outer_shards", [doc.get("outer_address", "")])  # a state file from before shards
+        if len(shards) != len(self.outer_shards):
+            raise RuntimeError(
+                f"{self.state_path} has {len(shards)} outer shards, the run has {len(self.outer_shards)}"
+            )
+        self.outer_shards = list(shards)
         self.elapsed_before = doc["elapsed"]
         if self.state in (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_DRAINING):
             self.running_since = self.clock()

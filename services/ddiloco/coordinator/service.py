@@ -18,6 +18,7 @@ from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
+from ddiloco.common.shard_status import combine_statuses
 from ddiloco.coordinator.membership import STATE_NAMES, Membership
 from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
@@ -83,6 +84,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             num_shards=cfg.learners,
             config_json=cfg.to_json(),
             outer_address=svc.members.outer_address,
+            outer_shards=svc.members.outer_shards,
             lease_ms=int(cfg.lease_timeout_s * 1000),
             heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
         )
@@ -94,6 +96,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.HeartbeatResponse(
             state=svc.members.state,
             outer_address=svc.members.outer_address,
+            outer_shards=svc.members.outer_shards,
             lease_ms=int(svc.config.lease_timeout_s * 1000),
         )
 
@@ -120,8 +123,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not {svc.config.run_id!r}")
         if request.kind != "outer":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown service kind {request.kind!r}")
-        svc.members.set_outer(request.address)
-        svc.metrics.event("outer_registered", address=request.address)
+        self._guard(context, lambda: svc.members.set_outer(request.address, request.shard))
+        svc.metrics.event("outer_registered", address=request.address, shard=request.shard)
         return coordinator_pb2.RegisterServiceResponse(run_id=svc.config.run_id, state=svc.members.state)
 
 
@@ -218,18 +221,28 @@ class CoordinatorService:
                     self.stop_event.wait(2.0)
 
     def _finish(self) -> None:
-        """Ask the outer optimizer to merge what is pending and evaluate; write the report."""
-        outer_address = self.members.outer_address
-        with channel(outer_address, self.options.security, server_role="outer") as ch:
-            stub = outer_pb2_grpc.OuterOptimizerStub(ch)
-            final = call_with_retry(
-                lambda: stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120),
-                what="finalize outer optimizer",
-                max_elapsed=120,
-                stop=self.stop_event,
-            )
+        """Ask the outer optimizer to merge what is pending and evaluate; write the report.
+        With several outer shards, shard 0 last: it evaluates the global model, reading the
+        other shards' fragments, which are final once they answered."""
+        shards = list(self.members.outer_shards)
+        answers: dict[int, outer_pb2.FinalizeResponse] = {}
+        for shard in [*range(1, len(shards)), 0]:
+            with channel(shards[shard], self.options.security, server_role="outer") as ch:
+                stub = outer_pb2_grpc.OuterOptimizerStub(ch)
+                answers[shard] = call_with_retry(
+                    lambda: stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120),
+                    what="finalize outer optimizer" if len(shards) == 1 else f"finalize outer shard {shard}",
+                    max_elapsed=120,
+                    stop=self.stop_event,
+                )
+        per_shard = [answers[i] for i in range(len(shards))]
+        final = outer_pb2.FinalizeResponse(
+            status=combine_statuses([a.status for a in per_shard]),
+            final_eval_loss=per_shard[0].final_eval_loss,
+            final_eval_accuracy=per_shard[0].final_eval_accuracy,
+        )
         self.members.finish()
-        self.report = build_report(self.config, self.members, final, self.options.run_dir)
+        self.report = build_report(self.config, self.members, final, self.options.run_dir, per_shard)
         if self.options.run_dir is not None:
             write_json(self.options.run_dir / "report.json", self.report)
         self.metrics.event("finished", final_eval_loss=final.final_eval_loss, outer_steps=final.status.outer_steps)
@@ -237,8 +250,11 @@ class CoordinatorService:
 
 
 def build_report(
-    config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse, run_dir: pathlib.Path | None = None
+    config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse, run_dir: pathlib.Path | None = None,
+    shards: list[outer_pb2.FinalizeResponse] | None = None,
 ) -> dict:
+    """``final``: the outer optimizer's final answer (the shards' combined); ``shards``: each
+    shard's own, for the per-shard lines of a sharded run."""
     st = final.status
     merged = {m.learner_id: m for m in st.learners}
     learners = []
@@ -282,6 +298,18 @@ def build_report(
         "model_parameters": st.model_parameters,
         "learners": learners,
     }
+    if shards is not None and len(shards) > 1:
+        report["outer_shards"] = [
+            {
+                "shard": i,
+                "fragments": [f.fragment for f in a.status.fragments],
+                "merges": a.status.outer_steps,
+                "tokens_merged": a.status.tokens_merged,
+                "parameters": a.status.model_parameters,
+                "deltas_pending_at_end": a.status.pending_deltas,
+            }
+            for i, a in enumerate(shards)
+        ]
     # --- goodput accounting (owned by ddiloco.chaos.goodput): goodput in [0, 1], waste by
     # cause, per-learner detail; a pure function of the run's metrics.jsonl.
     if run_dir is not None:

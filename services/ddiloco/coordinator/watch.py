@@ -18,7 +18,9 @@ import time
 
 import grpc
 
+from ddiloco.common.metrics import EVALUATOR_SOURCES
 from ddiloco.common.rpc import channel
+from ddiloco.common.shard_status import combine_statuses
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -81,16 +83,18 @@ class RunWatch:
             self._account()
 
     def _poll_outer(self) -> None:
-        address = self.members.outer_address
-        if not address:
+        addresses = list(self.members.outer_shards)
+        if not all(addresses):
             return
-        try:
-            with channel(address, self.security, server_role="outer") as ch:
-                st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2)
-        except grpc.RpcError:
-            return  # down or restarting: the page keeps the last status and says how old it is
+        statuses = []
+        for address in addresses:  # every shard, combined as one outer optimizer (common/shard_status.py)
+            try:
+                with channel(address, self.security, server_role="outer") as ch:
+                    statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2))
+            except grpc.RpcError:
+                return  # down or restarting: the page keeps the last status and says how old it is
         with self.lock:
-            self.outer = st
+            self.outer = combine_statuses(statuses)
 
     def _tail(self) -> None:
         if self.path is None or not self.path.exists():
@@ -120,7 +124,7 @@ class RunWatch:
                         self._events.append(e)
                 if kind == "learner_registered" and self.started_t is None:
                     self.started_t = e["t"]
-                if kind in ("eval", "finalize") and e.get("source") == "outer":
+                if kind in ("eval", "finalize") and e.get("source") in EVALUATOR_SOURCES and e.get("eval_loss") is not None:
                     self.curve.append((e["t"], e["version"], e["eval_loss"]))
                     if len(self.curve) > MAX_CURVE:
                         self.curve = self.curve[: MAX_CURVE // 2 : 2] + self.curve[MAX_CURVE // 2 :]

@@ -136,6 +136,7 @@ def main(args: argparse.Namespace) -> int:
         out=out,
         run_flags=forward_run_flags(args),
         learners=learners,
+        outer_shards=config.outer_shards,
         device=args.device,
         slowdown=slow,
         step_seconds=args.step_seconds,

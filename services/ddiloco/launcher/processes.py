@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
@@ -62,7 +63,8 @@ class Cluster:
     out: pathlib.Path
     procs: list[Proc] = field(default_factory=list)
     coordinator_address: str = ""
-    outer_address: str = ""
+    outer_address: str = ""  # outer shard 0's (the outer optimizer's, when it is one process)
+    outer_shards: list[str] = field(default_factory=list)  # every shard's, by index, once registered
     hub: Site = LOCAL  # coordinator and outer optimizer
     datacenters: list[Site] = field(default_factory=list)  # learner i runs at datacenters[i]; local when empty
     # the run's certificate folder (``ddiloco certs setup``): each service gets its identity
@@ -127,13 +129,23 @@ class Cluster:
         self.coordinator_address = f"{self.hub.host}:{int(port_file.read_text())}"
         return proc
 
-    def start_outer(self, extra: list[str] | None = None) -> Proc:
+    def start_outer(self, extra: list[str] | None = None, name: str = "outer") -> Proc:
+        """The outer optimizer, or with ``--shard I`` in ``extra`` its shard I (``name``
+        outer-I: its log; every shard has the outer identity)."""
         return self.spawn(
-            "outer",
+            name,
             ["outer", "--bind", f"{self.hub.host}:0", "--coordinator", self.coordinator_address, "--run-dir", str(self.out),
              "--exit-when-finished", *self.security_flags("outer", "outer"), *(extra or [])],
             site=self.hub,
         )
+
+    def start_outers(self, shards: int, extra: Callable[[str], list[str]] | None = None) -> list[Proc]:
+        """The outer optimizer: one process named "outer", or ``shards`` processes outer-0 to
+        outer-(S-1), each with its ``--shard``; ``extra(name)``: more flags for one of them."""
+        more = extra or (lambda name: [])
+        if shards == 1:
+            return [self.start_outer(more("outer"))]
+        return [self.start_outer(["--shard", str(i), *more(f"outer-{i}")], name=f"outer-{i}") for i in range(shards)]
 
     def start_learner(self, index: int, extra: list[str] | None = None, name: str | None = None) -> Proc:
         site = self.site_of(index)
@@ -160,6 +172,8 @@ class Cluster:
         m = self.membership()
         if m is not None and m.outer_address:
             self.outer_address = m.outer_address
+        if m is not None and all(m.outer_shards):
+            self.outer_shards = list(m.outer_shards)
         return self.outer_address
 
     def failed(self) -> list[Proc]:

@@ -16,6 +16,7 @@ import grpc
 from tqdm import tqdm
 
 from ddiloco.common.rpc import channel
+from ddiloco.common.shard_status import combine_statuses
 from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
 
 WIDTH = 80
@@ -146,10 +147,14 @@ def read(coordinator_membership, timeout: float = 2.0, security=None) -> Snapsho
         alive=sum(1 for x in m.members if x.alive),
         members=len(m.members),
     )
-    if m.outer_address:
+    addresses = list(m.outer_shards) or [m.outer_address]
+    if all(addresses):
         try:
-            with channel(m.outer_address, security, server_role="outer") as ch:
-                st = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
+            statuses = []
+            for address in addresses:  # every outer shard, read as one (common/shard_status.py)
+                with channel(address, security, server_role="outer") as ch:
+                    statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
+            st = combine_statuses(statuses)
             snap.version = st.version
             if st.last_eval_version or st.last_eval_loss:
                 snap.loss = st.last_eval_loss

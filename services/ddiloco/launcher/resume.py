@@ -61,7 +61,7 @@ def find(run: pathlib.Path) -> ResumePoint:
         config = RunConfig.from_json(config_path.read_text())
     except (ValueError, TypeError) as exc:
         raise ResumeError(f"{config_path}: not a run configuration: {exc}") from None
-    if not (run / "outer" / "checkpoints").is_dir():
+    if not (run / "outer" / "checkpoints").is_dir() and not (run / "outer-0" / "checkpoints").is_dir():
         raise ResumeError(f"{run}: has no checkpoint (the outer optimizer never started there); start a new run")
     try:
         model = load(run)

@@ -20,6 +20,7 @@ class LaunchOptions:
     out: pathlib.Path
     run_flags: list[str]
     learners: int
+    outer_shards: int = 1  # outer-optimizer processes (RunConfig.outer_shards)
     device: str = "auto"
     slowdown: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0  # every learner's step at least this long (dedicated hardware; common/pacing.py)
@@ -75,7 +76,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
                 http=_http(endpoints, "coordinator", cluster.hub.host, options),
             )
             endpoints.set_grpc("coordinator", cluster.coordinator_address)
-            cluster.start_outer(_http(endpoints, "outer", cluster.hub.host, options))
+            cluster.start_outers(options.outer_shards, lambda name: _http(endpoints, name, cluster.hub.host, options))
             for i in range(options.learners):
                 extra = ["--device", options.device]
                 extra += pacing_flags(options, i)
@@ -122,8 +123,10 @@ def run_tls(options: LaunchOptions) -> pathlib.Path | None:
 
 def _http(endpoints: Endpoints, name: str, host: str, options: LaunchOptions, learner: int | None = None) -> list[str]:
     """The HTTP-port flags of one service (none when monitoring is off), noted in ``endpoints``."""
-    kind = "learner" if learner is not None else name
+    kind = "learner" if learner is not None else "outer" if name.startswith("outer") else name
     labels = {"learner": str(learner), "datacenter": f"dc{learner}"} if learner is not None else {}
+    if name.startswith("outer-"):
+        labels = {"shard": name.removeprefix("outer-")}
     endpoint = Endpoint(name, kind, host, labels=labels)
     endpoints.add(endpoint)
     if not options.monitoring:
@@ -140,7 +143,11 @@ def _learn_addresses(cluster: Cluster, endpoints: Endpoints, m) -> None:
     """The outer optimizer's and the learners' gRPC addresses, once they registered them."""
     if m is None:
         return
-    endpoints.set_grpc("outer", m.outer_address)
+    if len(m.outer_shards) > 1:
+        for shard, address in enumerate(m.outer_shards):
+            endpoints.set_grpc(f"outer-{shard}", address)
+    else:
+        endpoints.set_grpc("outer", m.outer_address)
     for member in m.members:
         endpoints.set_grpc(f"learner-{member.learner_id}", member.address)
     endpoints.write()

@@ -99,12 +99,16 @@ class Uploader:
         first_seq: int,
         learner_id: int = -1,
         on_ack: Callable[[int, int], None] | None = None,
+        seq_step: int = 1,
     ) -> None:
+        """``seq_step``: how far apart this uploader's sequence numbers are (1; S for the
+        uploader of one of S outer shards, ``shard_uploader.py``)."""
         self.cfg = cfg
         self.client_factory = client_factory
         self.stats = stats
         self.metrics = metrics
         self.next_seq = first_seq
+        self.seq_step = seq_step
         self.on_ack = on_ack
         self.learner_id = learner_id
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
@@ -124,12 +128,16 @@ class Uploader:
         self.release = threading.Event()  # set: submit never waits for room (the learner is leaving)
         self.thread: threading.Thread | None = None
 
-    def start(self, supervisor: Supervisor, release: threading.Event | None = None) -> None:
+    def start(self, supervisor: Supervisor, release: threading.Event | None = None, name: str = "uploader") -> None:
         """Start the upload thread under ``supervisor``. ``release``, once set, lets ``submit``
         queue past the bound: a learner that is draining must flush, not wait for room."""
         if release is not None:
             self.release = release
-        self.thread = supervisor.spawn("uploader", self._run, self.stop_event)
+        self.thread = supervisor.spawn(name, self._run, self.stop_event)
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [self.thread] if self.thread is not None else []
 
     def submit(self, window: Window) -> None:
         """Queue a window, summed into its fragment's queued delta while that has room; else
@@ -220,7 +228,7 @@ class Uploader:
     def _send(self, window: Window) -> None:
         enc = self._encode(window)
         seq = self.next_seq
-        self.next_seq += 1
+        self.next_seq += self.seq_step
         self.stats.add(deltas_sent=1)
         self.sent_by_fragment[window.fragment] += 1
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)

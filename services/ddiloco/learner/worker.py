@@ -52,11 +52,14 @@ from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
+from ddiloco.common.shard_client import ShardedOuterClient
+from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.group import Group, Solo, strided
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
+from ddiloco.learner.shard_uploader import ShardedUploader
 from ddiloco.learner.uploader import Uploader, Window
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, learner_pb2, learner_pb2_grpc
 from ddiloco.workloads import WorkloadError
@@ -116,8 +119,8 @@ class Learner:
         self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
-        self.outer_address = ""
-        self._client: OuterClient | None = None
+        self.outer_address = ""  # the outer shards' addresses, comma-separated when several
+        self._client: OuterClient | ShardedOuterClient | None = None
         self._client_lock = threading.Lock()
         self.metrics = MetricsLog(None, "learner")
         from ddiloco.common.prom import host_of, start_exporter
@@ -200,7 +203,7 @@ class Learner:
         self.shard_index = resp.shard_index
         self.config = RunConfig.from_json(resp.config_json)
         self.heartbeat_s = resp.heartbeat_ms / 1000
-        self._set_outer(resp.outer_address)
+        self._set_outer(list(resp.outer_shards) or [resp.outer_address])
 
     def _register_call(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
         """Register, signed with this process's instance token and the signature of the model
@@ -278,17 +281,27 @@ class Learner:
             self.signature = signature_of_model(self.initial_model)
         return self.signature
 
-    def _set_outer(self, address: str) -> None:
+    def _set_outer(self, addresses: list[str]) -> None:
+        """Talk to the outer optimizer at ``addresses`` (one per outer shard) from now on; a
+        shard that restarted elsewhere gets a new client for all of them."""
+        address = ",".join(addresses)
         with self._client_lock:
-            if address and address != self.outer_address:
+            if all(addresses) and address != self.outer_address:
                 if self._client is not None:
                     self._client.close()
                 self.outer_address = address
-                self._client = OuterClient(
-                    address, self.run_id, self.learner_id, self.config.learner.chunk_bytes, security=self.options.security
-                )
+                chunk, security = self.config.learner.chunk_bytes, self.options.security
+                if len(addresses) == 1:
+                    self._client = OuterClient(addresses[0], self.run_id, self.learner_id, chunk, security=security)
+                else:
+                    self._client = ShardedOuterClient(addresses, self.run_id, self.learner_id, chunk, security=security)
 
-    def client(self) -> OuterClient:
+    def _shard_statuses(self) -> list:
+        """Every outer shard's own status (one, when the outer optimizer is one process)."""
+        client = self.client()
+        return client.shard_statuses() if isinstance(client, ShardedOuterClient) else [client.status()]
+
+    def client(self) -> OuterClient | ShardedOuterClient:
         with self._client_lock:
             assert self._client is not None
             return self._client
@@ -315,13 +328,15 @@ class Learner:
             # the uploader exists by the time the puller's loop runs (it starts after both are made)
             uploads_of=lambda f: self.uploader.sent_of(f),
         )
-        status = call_with_retry(lambda: self.client().status(), what="outer status", max_elapsed=300, stop=self.drain)
+        # each outer shard's own status: its sequence numbers are its own (learner/shard_uploader.py)
+        statuses = call_with_retry(self._shard_statuses, what="outer status", max_elapsed=300, stop=self.drain)
+        status = combine_statuses(statuses)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
         shard = (self.shard_index, cfg.learners, cfg.data.seed)
         self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
         # a group of R ranks reads R consecutive batches per step, this process the first
         self.batches = strided(workload.train_batches(*shard, self.batch_index), self.options.ranks)
-        first_seq = (mine.last_seq + 1) if mine else 1
+        last_seqs = [next((r.last_seq for r in st.learners if r.learner_id == self.learner_id), 0) for st in statuses]
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
@@ -333,14 +348,21 @@ class Learner:
                      "batch_size": self.options.batch_size}
             self.group.share_setup(setup, self.params, self.fragments)
         self.model.train()
-        self.uploader = Uploader(lcfg, self.client, self.stats, self.metrics, first_seq, self.learner_id)
+        if len(last_seqs) == 1:
+            self.uploader: Uploader | ShardedUploader = Uploader(
+                lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id
+            )
+        else:
+            self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id)
+        first = [u.next_seq for u in getattr(self.uploader, "parts", [self.uploader])]
         self.metrics.event(
             "learner_start",
             learner=self.learner_id,
             shard=self.shard_index,
             versions=self.versions,
             batch_index=self.batch_index,
-            first_seq=first_seq,
+            # per outer shard when there are several (their sequence numbers interleave)
+            first_seq=first[0] if len(first) == 1 else first,
             device=str(self.device),
             slowdown=self.options.slowdown,
             step_seconds=self.options.step_seconds,
@@ -527,7 +549,7 @@ class Learner:
                     # never silent: a refused report does not renew the lease
                     log.warning("coordinator refused this heartbeat's report: %s", exc.details())
                 continue  # coordinator unreachable: keep training and uploading
-            self._set_outer(resp.outer_address)
+            self._set_outer(list(resp.outer_shards) or [resp.outer_address])
             if resp.state in STOP_STATES and not self.drain.is_set():
                 log.info("run is %s: draining", coordinator_pb2.RunState.Name(resp.state))
                 self.drain.set()
@@ -541,7 +563,7 @@ class Learner:
         self.uploader.stop()
         self.puller.stop()
         self.stop_event.set()
-        for thread in (self.uploader.thread, self.puller.thread):
+        for thread in (*self.uploader.threads, self.puller.thread):
             if thread is not None and thread.is_alive():
                 thread.join(timeout=5)
         failure = self.supervisor.failure

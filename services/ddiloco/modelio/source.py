@@ -96,6 +96,10 @@ def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
         return _load_export(path)
     if (path / "global.safetensors").exists() or (path / "state.json").exists():
         return _load_checkpoint(path, _run_config(path.parent.parent.parent, path))
+    if (path / "outer-0" / "checkpoints").is_dir():
+        if version is not None:
+            raise SourceError(f"{path}: a run of several outer shards has a version per shard; --version does not apply")
+        return _load_sharded(path)
     checkpoints = path / "outer" / "checkpoints"
     if not checkpoints.is_dir():
         raise SourceError(f"{path}: not a run folder (no outer/checkpoints), checkpoint folder or exported file")
@@ -118,6 +122,41 @@ def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
         except SourceError as exc:
             problems.append(str(exc))
     raise SourceError(f"{path}: no complete checkpoint: " + "; ".join(problems))
+
+
+def _latest(checkpoints: pathlib.Path, cfg: RunConfig, origin: pathlib.Path) -> GlobalModel:
+    folders = sorted((p for p in checkpoints.iterdir() if p.is_dir() and folder_key(p) is not None), key=folder_key)
+    if not folders:
+        raise SourceError(f"{origin}: the run has no checkpoint yet ({checkpoints})")
+    latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).exists() else None
+    order = ([checkpoints / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
+    problems = []
+    for folder in order:
+        try:
+            return _load_checkpoint(folder, cfg)
+        except SourceError as exc:
+            problems.append(str(exc))
+    raise SourceError(f"{origin}: no complete checkpoint in {checkpoints}: " + "; ".join(problems))
+
+
+def _load_sharded(path: pathlib.Path) -> GlobalModel:
+    """A run of several outer shards: each shard's newest checkpoint holds its fragments'
+    tensors; together they are the global model, at the sum of the shards' versions."""
+    cfg = _run_config(path, path)
+    if cfg.outer_shards < 2:
+        raise SourceError(f"{path}: has outer-0/ but its configuration has {cfg.outer_shards} outer shard")
+    parts = [_latest(path / f"outer-{i}" / "checkpoints", cfg, path) for i in range(cfg.outer_shards)]
+    params: dict[str, torch.Tensor] = {}
+    momentum: dict[str, torch.Tensor] = {}
+    for part in parts:
+        overlap = set(params) & set(part.params)
+        if overlap:
+            raise SourceError(f"{part.origin}: holds {sorted(overlap)[:3]}, which another shard's checkpoint holds too")
+        params.update(part.params)
+        momentum.update(part.momentum)
+    version = sum(p.version for p in parts)
+    state = {"version": version, "run_id": parts[0].run_id, "shards": [p.state for p in parts]}
+    return GlobalModel(cfg, params, momentum, state, version, parts[0].run_id, ", ".join(p.origin for p in parts))
 
 
 def _run_config(run: pathlib.Path, origin: pathlib.Path) -> RunConfig:

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="checkpoints, journal and metrics go here")
     parser.add_argument("--exit-when-finished", action="store_true", help="exit once the coordinator reports the run finished")
+    parser.add_argument("--shard", type=int, default=0,
+                        help="which outer shard this process is, 0 to the run's --outer-shards minus 1 (default 0)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
@@ -42,6 +44,7 @@ def main(args: argparse.Namespace) -> int:
             exit_when_finished=args.exit_when_finished,
             metrics_port=args.metrics_port,
             security=security,
+            shard=args.shard,
         )
     )
     import signal
@@ -50,12 +53,13 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: svc.stop_event.set())
     from ddiloco.outer.checkpoint import CheckpointError
     from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
+    from ddiloco.outer.service import ShardError
 
     try:
         svc.start()
     except InterruptedError:
         return 0  # stopped by a signal before the coordinator answered
-    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt) as exc:
+    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt, ShardError) as exc:
         # state on disk that cannot be trusted: say which file and stop, no traceback
         print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)
         return 1

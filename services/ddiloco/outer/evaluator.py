@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Callable
 
 import torch
 
@@ -18,8 +19,15 @@ class Evaluator:
     path. A workload without a metric reports its accuracy as NaN on the wire (a proto
     double has no "absent") and as null in events and reports."""
 
-    def __init__(self, config: RunConfig, state: OuterState, metrics: MetricsLog) -> None:
+    def __init__(
+        self, config: RunConfig, state: OuterState, metrics: MetricsLog,
+        source: Callable[[], tuple[int, int, list]] | None = None,
+    ) -> None:
+        """``source()``: (version, tokens, named arrays) of the global model; default the
+        state's own snapshot (every fragment held here), on outer shard 0 of several the
+        gathered model (``outer/gather.py``)."""
         self.state = state
+        self.source = source or state.snapshot
         self.metrics = metrics
         self.workload = state.workload
         self.batches = self.workload.eval_batches()  # fixed: read once
@@ -27,12 +35,14 @@ class Evaluator:
         self.lock = threading.Lock()
         self.initial: tuple[float, float] | None = None
         self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
+        self.tokens = 0  # tokens merged into every fragment of the last model evaluated
 
     def run_once(self) -> tuple[int, float, float]:
         with self.lock:
-            version, _, arrays = self.state.snapshot()
+            version, tokens, arrays = self.source()
             if self.last is not None and self.last[0] == version:
                 return self.last
+            self.tokens = tokens
             with torch.no_grad():
                 for p, (_, a) in zip(self.model.parameters(), arrays):
                     p.copy_(torch.from_numpy(a))
@@ -42,6 +52,7 @@ class Evaluator:
             if self.initial is None:
                 self.initial = (loss, acc)
             self.metrics.event(
-                "eval", version=version, eval_loss=round(loss, 5), eval_accuracy=None if metric is None else round(metric, 5)
+                "eval", version=version, tokens=tokens, eval_loss=round(loss, 5),
+                eval_accuracy=None if metric is None else round(metric, 5),
             )
             return self.last

@@ -69,7 +69,7 @@ class OuterMetrics:
             for s in f["staleness"]:
                 self.staleness.observe(s)
             self.step_norm.labels(str(f["fragment"])).set(f["step_norm"])
-        elif kind in ("eval", "finalize"):
+        elif kind in ("eval", "finalize") and f.get("eval_loss") is not None:  # None: a shard that does not evaluate
             self.eval_loss.set(f["eval_loss"])
             if f.get("eval_accuracy") is not None:  # null: the workload has no metric
                 self.eval_accuracy.set(f["eval_accuracy"])

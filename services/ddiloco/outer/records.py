@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -27,9 +28,10 @@ class LearnerRecord:
     tokens_merged: dict[int, int] = field(default_factory=dict)  # fragment -> tokens
     tokens_accepted: dict[int, int] = field(default_factory=dict)
 
-    def work(self, counter: dict[int, int], fragments: int) -> int:
-        """Tokens of this learner's work that every fragment has: the minimum over fragments."""
-        return min(counter.get(f, 0) for f in range(fragments))
+    def work(self, counter: dict[int, int], fragments: Iterable[int]) -> int:
+        """Tokens of this learner's work that every one of ``fragments`` has: the minimum
+        over them (a shard's own fragments; the learner takes the minimum over shards)."""
+        return min(counter.get(f, 0) for f in fragments)
 
     def count_accepted(self, fragment: int, seq: int, tokens: int) -> None:
         """One more delta accepted (or re-queued from the journal after a restart)."""

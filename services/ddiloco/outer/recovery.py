@@ -67,8 +67,18 @@ def load_checkpoint(state: "OuterState", loaded) -> Callable[[int, int], bool]:
     if saved["run_id"] != state.config.run_id:
         raise CheckpointError(f"checkpoint in {path} belongs to run {saved['run_id']!r}, not {state.config.run_id!r}")
     if len(saved["fragments"]) != len(state.fragments):
-        raise CheckpointError(f"checkpoint in {path} has {len(saved['fragments'])} fragments, the run has {len(state.fragments)}")
-    state.params = [tensors[f"param/{n}"].clone() for n in state.names]
+        raise CheckpointError(
+            f"checkpoint in {path} has {len(saved['fragments'])} fragments, this outer shard owns {len(state.fragments)}"
+        )
+    saved_ids = [fs.get("index", i) for i, fs in enumerate(saved["fragments"])]
+    if saved_ids != [f.index for f in state.fragments]:
+        raise CheckpointError(
+            f"checkpoint in {path} holds fragments {saved_ids}, this outer shard owns {[f.index for f in state.fragments]}"
+        )
+    missing = [state.names[i] for i in state.owned_ids if f"param/{state.names[i]}" not in tensors]
+    if missing:
+        raise CheckpointError(f"checkpoint in {path} lacks parameters {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    state.params = [tensors[f"param/{n}"].clone() if p is not None else None for n, p in zip(state.names, state.params)]
     for frag, fs in zip(state.fragments, saved["fragments"]):
         if f"momentum/{state.names[frag.tensor_ids[0]]}" in tensors:
             frag.optimizer.buffers = [tensors[f"momentum/{state.names[i]}"].clone() for i in frag.tensor_ids]
@@ -101,14 +111,12 @@ def journaled_delta(
     damaged header could otherwise put the delta on another fragment or crash the merge.
     Raises ``JournalCorrupt`` naming the file, the learner, the sequence and what is wrong."""
     try:
-        if not 0 <= header.fragment < len(state.fragments):
-            raise errors.InvalidArgument(f"fragment {header.fragment} does not exist; this run has {len(state.fragments)}")
+        frag = state.fragment(header.fragment)  # a fragment of the run that this shard owns
         if header.inner_steps < 1 or header.tokens < 1:
             raise errors.InvalidArgument(f"inner_steps={header.inner_steps}, tokens={header.tokens}: not a window of work")
-        frag = state.fragments[header.fragment]
         admission.check_tensors(
             frag.index, header.payload.tensors, [state.names[i] for i in frag.tensor_ids],
-            [tuple(state.params[i].shape) for i in frag.tensor_ids],
+            [state.shapes[i] for i in frag.tensor_ids],
         )
         arrays = decode_payload(header.payload, payload)
     except errors.Refused as exc:
@@ -127,9 +135,11 @@ def replay_merges(state: "OuterState", journal: Journaled) -> None:
             continue
         if record["version"] != state.version + 1:
             raise MergeRecordCorrupt(path, f"the merge records skip from version {state.version} to {record['version']}")
-        if not 0 <= record["fragment"] < len(state.fragments):
-            raise MergeRecordCorrupt(path, f"fragment {record['fragment']} does not exist; this run has {len(state.fragments)}")
-        frag = state.fragments[record["fragment"]]
+        if record["fragment"] not in state.by_index:
+            raise MergeRecordCorrupt(
+                path, f"fragment {record['fragment']} is not one of this outer shard's {sorted(state.by_index)}"
+            )
+        frag = state.by_index[record["fragment"]]
         kept = []
         for learner_id, seq in record["deltas"]:
             if (learner_id, seq) not in journal:

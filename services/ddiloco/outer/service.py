@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from ddiloco.common import auth, errors
+from ddiloco.common import auth, codec, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
@@ -30,6 +30,7 @@ from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, st
 from ddiloco.outer import decision
 from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.evaluator import Evaluator
+from ddiloco.outer.gather import FragmentGather
 from ddiloco.outer.known_learners import KnownLearners
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
@@ -45,6 +46,8 @@ RESTART_GRACE_S = 10.0
 # The longest a status long poll may wait: well under any client deadline, so a waiting
 # learner also notices a dead server soon.
 MAX_STATUS_WAIT_MS = 10_000
+# How long outer shard 0 waits at start for the other shards (to evaluate the initial model).
+SHARD_WAIT_S = 300.0
 # How often a failed checkpoint is tried again when no merge comes to retry it first.
 CHECKPOINT_RETRY_S = 5.0
 # How long shutdown waits for each background loop: an evaluation of the largest preset on
@@ -62,6 +65,10 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
+
+
+class ShardError(ValueError):
+    """This process was started as a shard the run does not have."""
 
 
 def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
@@ -107,6 +114,7 @@ POLICY: auth.Policy = {
     "UploadOffset": auth.LEARNER,
     "GetStatus": auth.ANY,
     "Finalize": auth.COORDINATOR,
+    "ReadFragment": auth.OUTER,  # shard 0 gathering the global model to evaluate it
 }
 
 
@@ -119,6 +127,7 @@ class OuterOptions:
     exit_when_finished: bool = False
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     security: Security = field(default_factory=Security.insecure)
+    shard: int = 0  # which outer shard this process is, of the run's outer_shards
 
 
 def bounded_stream(messages, max_messages: int, what: str):
@@ -204,9 +213,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._limit(context, "PullGlobal", request.learner_id)
         if request.run_id and request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
-        if not 0 <= request.fragment < len(svc.state.fragments):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"fragment {request.fragment} does not exist")
         with refusals_as_status(context):
+            svc.state.fragment(request.fragment)  # InvalidArgument: not a fragment of this shard
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
@@ -254,6 +262,20 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             svc.known.check(header.learner_id)
         return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
 
+    def ReadFragment(self, request, context):
+        svc = self.svc
+        self._authorize(context, "ReadFragment")
+        if request.run_id != svc.config.run_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
+        with refusals_as_status(context):  # InvalidArgument: not a fragment of this shard
+            version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
+        enc = codec.encode(arrays, "fp32")
+        header = outer_pb2.GlobalHeader(
+            version=version, payload=payload_info(enc), tokens_merged=tokens_merged, fragment=request.fragment,
+            base_version=-1,
+        )
+        yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+
 
 class OuterService:
     def __init__(self, options: OuterOptions) -> None:
@@ -289,17 +311,29 @@ class OuterService:
             stop=self.stop_event,
         )
         self.config = RunConfig.from_json(resp.config_json)
+        shard, shards = self.options.shard, self.config.outer_shards
+        if not 0 <= shard < shards:
+            raise ShardError(f"--shard {shard}: the run has {shards} outer shard{'s' if shards > 1 else ''} (0 to {shards - 1})")
+        # one process: "outer" as ever; shard I of several: its own name, events and folder
+        self.name = "outer" if shards == 1 else f"outer-{shard}"
         run_dir = self.options.run_dir
-        self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "outer")
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, self.name)
         if self.exporter is not None:
             self.metrics.observers.append(self.exporter.observe)
-        state_dir = run_dir / "outer" if run_dir else None
-        self.state = OuterState(self.config, state_dir, self.metrics)
+        state_dir = run_dir / self.name if run_dir else None
+        self.state = OuterState(self.config, state_dir, self.metrics, shard=shard)
         self.downloads = DownloadViews(
             self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners)
         )
         self.partials = PartialUploads(self.config.learners + max(VIEW_MARGIN, self.config.learners))
-        self.evaluator = Evaluator(self.config, self.state, self.metrics)
+        # who evaluates: the one process, or shard 0 of several, on the gathered global model
+        self.gather: FragmentGather | None = None
+        self.evaluator: Evaluator | None = None
+        if shards == 1:
+            self.evaluator = Evaluator(self.config, self.state, self.metrics)
+        elif shard == 0:
+            self.gather = FragmentGather(self.state, self.known.shard_addresses, self.options.security)
+            self.evaluator = Evaluator(self.config, self.state, self.metrics, source=self.gather.model)
         # every learner id (up to 2M) may hold a thread in a status long poll while another
         # of its threads uploads or downloads
         self.server = Server(
@@ -312,13 +346,12 @@ class OuterService:
         self.server.start()
         host = self.options.bind.rsplit(":", 1)[0]
         self.address = self.options.advertise or f"{host}:{self.server.port}"
-        self.evaluator.run_once()  # the initial loss, before any learner can change the model
+        # the initial loss, before any learner can change the model: learners join once every
+        # shard registered, and shard 0 registers after this (it reads the others' fragments)
+        self._initial_eval()
         self.server.set_ready()
         call_with_retry(
-            lambda: self.coordinator.RegisterService(
-                coordinator_pb2.RegisterServiceRequest(run_id=self.config.run_id, kind="outer", address=self.address),
-                timeout=3,
-            ),
+            lambda: self.coordinator.RegisterService(self._registration(), timeout=3),
             what="register with coordinator",
             max_elapsed=300,
             stop=self.stop_event,
@@ -328,7 +361,7 @@ class OuterService:
             # was down, all from the same base version; merging them as they trickle in would
             # judge each against the others' as stale, so let them all arrive first (bounded)
             self.recovery_until = time.monotonic() + RESTART_GRACE_S
-        self.metrics.event("outer_ready", address=self.address, version=self.state.version)
+        self.metrics.event("outer_ready", address=self.address, version=self.state.version, shard=shard, shards=shards)
         loops = ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch"), (self._checkpoint_loop, "checkpoint"))
         for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -378,12 +411,21 @@ class OuterService:
                     f"Finalize ends the run, but the coordinator reports it {coordinator_pb2.RunState.Name(run_state)}",
                 )
             self.state.merge_all(close=True)
-            _, loss, acc = self.evaluator.run_once()
+            # shard 0 of several evaluates after the others finalized (the coordinator asks
+            # them first), so it reads their final fragments; the others report NaN
+            loss = acc = math.nan
+            if self.evaluator is not None:
+                try:
+                    _, loss, acc = self.evaluator.run_once()
+                except errors.Unavailable as exc:  # a shard away: not final yet, ask again
+                    raise errors.Unavailable(f"final evaluation: {exc.message}") from exc
             self.state.checkpoint()
             self._final = outer_pb2.FinalizeResponse(status=self.status(), final_eval_loss=loss, final_eval_accuracy=acc)
             self.finalized.set()
             self.metrics.event(
-                "finalize", version=self.state.version, eval_loss=loss, eval_accuracy=None if math.isnan(acc) else acc
+                "finalize", version=self._eval_version(), tokens=self._eval_tokens(),
+                eval_loss=None if math.isnan(loss) else loss,
+                eval_accuracy=None if math.isnan(acc) else acc,
             )
             return self._final
 
@@ -448,8 +490,46 @@ class OuterService:
 
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s
-        while not self.stop_event.wait(interval):
+        while self.evaluator is not None and not self.stop_event.wait(interval):
+            try:
+                self.evaluator.run_once()
+            except errors.Unavailable as exc:  # a shard restarting: the next evaluation tries again
+                log.info("evaluation skipped: %s", exc.message)
+
+    def _initial_eval(self) -> None:
+        if self.evaluator is None:
+            return
+        if self.gather is None:
             self.evaluator.run_once()
+            return
+
+        # shard 0 of several: until the other shards are up (they start at the same time)
+        deadline = time.monotonic() + SHARD_WAIT_S
+        while True:
+            try:
+                self.known.refresh()  # the other shards' addresses
+                self.evaluator.run_once()
+                return
+            except (errors.Unavailable, grpc.RpcError) as exc:
+                if time.monotonic() > deadline:
+                    raise ShardError(f"the other outer shards did not answer within {SHARD_WAIT_S:.0f} s: {exc}") from exc
+                log.info("initial evaluation waits for the other outer shards: %s", exc)
+            if self.stop_event.wait(0.5):
+                raise InterruptedError("stopped while waiting for the other outer shards")
+
+    def _eval_version(self) -> int:
+        """The version an evaluation names: the global model's (the sum over shards on shard 0)."""
+        if self.evaluator is not None and self.evaluator.last is not None:
+            return self.evaluator.last[0]
+        return self.state.version
+
+    def _eval_tokens(self) -> int:
+        return self.evaluator.tokens if self.evaluator is not None and self.evaluator.last is not None else self.state.tokens_merged
+
+    def _registration(self) -> coordinator_pb2.RegisterServiceRequest:
+        return coordinator_pb2.RegisterServiceRequest(
+            run_id=self.config.run_id, kind="outer", address=self.address, shard=self.options.shard
+        )
 
     def _watch_loop(self) -> None:
         """Follow the run state; exit once the coordinator reports FINISHED."""
@@ -458,14 +538,11 @@ class OuterService:
                 self.known.refresh()
             except grpc.RpcError:
                 continue  # the coordinator may be restarting: keep merging meanwhile
-            if not self.known.registered_outer and self.known.last_state != coordinator_pb2.RUN_STATE_FINISHED:
+            if not self.known.shard_registered(self.options.shard) and self.known.last_state != coordinator_pb2.RUN_STATE_FINISHED:
                 # a coordinator restarted without its state does not know us: register again,
                 # or learners registering again would wait for an outer optimizer forever
                 try:
-                    self.coordinator.RegisterService(
-                        coordinator_pb2.RegisterServiceRequest(run_id=self.config.run_id, kind="outer", address=self.address),
-                        timeout=3,
-                    )
+                    self.coordinator.RegisterService(self._registration(), timeout=3)
                     log.info("registered again with a coordinator that had lost its state")
                 except grpc.RpcError:
                     continue
@@ -497,9 +574,9 @@ class OuterService:
     def status(self) -> outer_pb2.OuterStatus:
         st = status_message(self.state.status())
         st.ready = True
-        if self.evaluator.initial:
+        if self.evaluator is not None and self.evaluator.initial:
             st.initial_eval_loss = self.evaluator.initial[0]
-        if self.evaluator.last:
+        if self.evaluator is not None and self.evaluator.last:
             st.last_eval_version, st.last_eval_loss, st.last_eval_accuracy = self.evaluator.last
         st.bytes_sent = self.bytes_sent
         return st

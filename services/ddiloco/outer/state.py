@@ -28,9 +28,12 @@ have it". Refusals are typed (``common/errors.py``); the servicer maps them to s
 
 Everything a merge reads or writes is per fragment (its ``Fragment`` record, its merge
 decision, its merge records): the global ``version`` is only a count of merges. An outer
-shard owning a subset of the fragments builds only those records; what would change is
-which fragments ``__init__`` builds, and the fragment count a checkpoint is checked against
-(``recovery.load_checkpoint``).
+shard (``RunConfig.outer_shards`` > 1) owns a subset of the fragments
+(``common/fragments.shard_fragments``) and builds only their records and parameters; every
+other tensor of the model is ``None`` here. Its ``version`` counts its own merges, so the
+sum over shards is the unsharded run's version. Given the same deltas in the same order per
+fragment, S shards make exactly the merges one process makes: nothing a merge reads crosses
+a fragment.
 """
 
 from __future__ import annotations
@@ -47,12 +50,12 @@ import torch
 from ddiloco.common import merge
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
-from ddiloco.common.fragments import partition
+from ddiloco.common.fragments import partition, shard_fragments
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.wire import decode_payload
 from ddiloco.outer import admission, decision, recovery
 from ddiloco.outer.checkpoint import CheckpointStore
-from ddiloco.common.errors import FailedPrecondition, Refused
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused
 from ddiloco.outer.journal import DeltaJournal, MergeJournal
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
 from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
@@ -65,9 +68,11 @@ CLOSED_MESSAGE = "the run is finalized: no delta is acknowledged or merged any m
 
 class OuterState:
     def __init__(
-        self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None, workload=None
+        self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None, workload=None,
+        shard: int = 0,
     ) -> None:
-        """``workload``: the run's, loaded (default: loaded here from ``config``)."""
+        """``workload``: the run's, loaded (default: loaded here from ``config``). ``shard``:
+        which outer shard this is, of ``config.outer_shards``."""
         from ddiloco.workloads import load
 
         self.config = config
@@ -78,16 +83,26 @@ class OuterState:
         model = self.workload.build_model()
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
-        self.params = [p.detach().float().clone() for _, p in named]
-        if config.init_from:
-            self._warm_start(pathlib.Path(config.init_from))
+        self.shapes = [tuple(p.shape) for _, p in named]
+        self.shard = shard
+        parts = partition([p.numel() for _, p in named], config.fragments)
+        owned = shard_fragments(shard, config.outer_shards, config.fragments)  # raises for a shard the run lacks
+        self.owned_ids = sorted(i for f in owned for i in parts[f])
+        mine = set(self.owned_ids)
+        # only this shard's tensors are held: a shard's memory is its fragments', not the model's
+        self.params: list[torch.Tensor | None] = [
+            p.detach().float().clone() if i in mine else None for i, (_, p) in enumerate(named)
+        ]
         embeddings = self.workload.embedding_names(model)
         self.plain_average = [n in embeddings for n in self.names]
+        del model, named
+        if config.init_from:
+            self._warm_start(pathlib.Path(config.init_from))
         ocfg = config.outer
         self.fragments = [
-            Fragment(i, ids, merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov))
-            for i, ids in enumerate(partition([p.numel() for p in self.params], config.fragments))
+            Fragment(f, parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov)) for f in owned
         ]
+        self.by_index = {f.index: f for f in self.fragments}
         self.version = 0  # merges across all fragments: the global clock, only ever increases
         self.outer_steps = 0
         self.learners: dict[int, LearnerRecord] = {}
@@ -116,12 +131,32 @@ class OuterState:
 
         source = load(path)
         check_matches(source, self.config)  # also checked by the CLI before anything starts
-        self.params = [source.params[n].detach().clone().float() for n in self.names]
+        self.params = [
+            source.params[n].detach().clone().float() if p is not None else None for n, p in zip(self.names, self.params)
+        ]
         self.metrics.event("warm_start", path=str(path), version=source.version, run_id=source.run_id)
 
     @property
     def tokens_merged(self) -> int:
         return min(f.tokens_merged for f in self.fragments)
+
+    def fragment(self, index: int) -> Fragment:
+        """This shard's record of fragment ``index``; ``InvalidArgument`` for a fragment the
+        run does not have or another shard owns (a client with a wrong fragment map)."""
+        frag = self.by_index.get(index)
+        if frag is None:
+            if not 0 <= index < self.config.fragments:
+                raise InvalidArgument(f"fragment {index} does not exist; this run has {self.config.fragments}")
+            raise InvalidArgument(
+                f"fragment {index} belongs to outer shard {index % self.config.outer_shards}, this is shard {self.shard}"
+            )
+        return frag
+
+    def tensor(self, i: int) -> torch.Tensor:
+        """Parameter tensor ``i``, which this shard owns."""
+        p = self.params[i]
+        assert p is not None, f"tensor {self.names[i]} is not held by outer shard {self.shard}"
+        return p
 
     # ----------------------------------------------------------------- accepting
     def _learner_lock(self, learner_id: int) -> threading.Lock:
@@ -136,9 +171,9 @@ class OuterState:
         changes but counters.
         """
         cfg = self.config
-        admission.check_address(cfg, header.run_id, header.seq, header.fragment, len(self.fragments))
+        admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
         admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.reference_weight())
-        frag = self.fragments[header.fragment]
+        frag = self.fragment(header.fragment)  # one this shard owns
         with self._learner_lock(header.learner_id):
             with self.lock:
                 rec = self.learners.setdefault(header.learner_id, LearnerRecord())
@@ -152,7 +187,7 @@ class OuterState:
                 tensors = self._decode(frag, header, payload)
                 with self.lock:
                     if frag.param_linf is None:
-                        frag.param_linf = [admission.linf(self.params[i]) for i in frag.tensor_ids]
+                        frag.param_linf = [admission.linf(self.tensor(i)) for i in frag.tensor_ids]
                     admission.check_magnitude(
                         cfg, [self.names[i] for i in frag.tensor_ids], tensors, frag.param_linf, header.inner_steps
                     )
@@ -202,7 +237,7 @@ class OuterState:
     def _decode(self, frag: Fragment, header: outer_pb2.DeltaHeader, payload: bytes) -> list[torch.Tensor]:
         admission.check_tensors(
             frag.index, header.payload.tensors, [self.names[i] for i in frag.tensor_ids],
-            [tuple(self.params[i].shape) for i in frag.tensor_ids],
+            [self.shapes[i] for i in frag.tensor_ids],
         )
         arrays = decode_payload(header.payload, payload)
         return [torch.from_numpy(np.ascontiguousarray(a)) for _, a in arrays]
@@ -232,7 +267,7 @@ class OuterState:
             )
             for frag, started in zip(self.fragments, since):
                 frag.quorum_since = started
-            return due
+            return [self.fragments[i].index for i in due]  # positions in this shard's list -> fragment ids
 
     def pending_learners(self) -> list[set[int]]:
         """Per fragment, the learners with a delta waiting to be merged."""
@@ -242,7 +277,7 @@ class OuterState:
     def merge(self, fragment: int, force: bool = False) -> bool:
         """Merge the fragment's pending deltas. Without ``force`` the quorum must be met, with
         the planned learners as the live ones (the service decides with ``due_fragments``)."""
-        frag = self.fragments[fragment]
+        frag = self.fragment(fragment)
         ocfg = self.config.outer
         with self.lock:
             if not frag.pending:
@@ -307,7 +342,7 @@ class OuterState:
     ) -> None:
         """One outer step on ``frag`` from (learner, seq, tokens, tensors, inner steps) deltas;
         bumps versions. Also how a merge record is replayed (``recovery.py``)."""
-        params = [self.params[i] for i in frag.tensor_ids]
+        params = [self.tensor(i) for i in frag.tensor_ids]
         plain = [self.plain_average[i] for i in frag.tensor_ids]
         h = self.config.learner.inner_steps
         tensors = [merge.rescale_to_window(t, steps, h) for _, _, _, t, steps in kept]
@@ -363,15 +398,18 @@ class OuterState:
     # ----------------------------------------------------------------- snapshots
     def snapshot(self, fragment: int | None = None) -> tuple[int, int, list[tuple[str, np.ndarray]]]:
         """(version, tokens merged, named copies of the parameters) of one fragment, or of
-        the whole model (global version) when ``fragment`` is None."""
+        the whole model (global version) when ``fragment`` is None, which only a process
+        holding every fragment has (S = 1; a shard's evaluator gathers, ``outer/gather.py``)."""
         with self.lock:
             if fragment is None:
-                ids = range(len(self.params))
+                if self.config.outer_shards > 1:
+                    raise ValueError("a sharded outer optimizer holds part of the model: snapshot a fragment")
+                ids: list[int] | range = range(len(self.params))
                 version, tokens = self.version, self.tokens_merged
             else:
-                frag = self.fragments[fragment]
+                frag = self.fragment(fragment)
                 ids, version, tokens = frag.tensor_ids, frag.version, frag.tokens_merged
-            return version, tokens, [(self.names[i], self.params[i].numpy().copy()) for i in ids]
+            return version, tokens, [(self.names[i], self.tensor(i).numpy().copy()) for i in ids]
 
     # ----------------------------------------------------------------- checkpoints
     def checkpoint(self) -> pathlib.Path | None:
@@ -414,7 +452,7 @@ class OuterState:
             merges, self._merges_since_checkpoint = self._merges_since_checkpoint, 0
             if self.checkpoints.is_current(state):
                 return self.checkpoints.latest  # nothing changed since: rewriting it is pure risk
-            tensors = {f"param/{n}": p.clone() for n, p in zip(self.names, self.params)}
+            tensors = {f"param/{self.names[i]}": self.tensor(i).clone() for i in self.owned_ids}
             for frag in self.fragments:
                 if frag.optimizer.buffers is not None:
                     for i, b in zip(frag.tensor_ids, frag.optimizer.buffers):
@@ -432,7 +470,7 @@ class OuterState:
     # ----------------------------------------------------------------- status
     def status(self) -> OuterStatus:
         with self.lock:
-            p = len(self.fragments)
+            owned = [f.index for f in self.fragments]
             return OuterStatus(
                 run_id=self.config.run_id,
                 version=self.version,
@@ -440,15 +478,15 @@ class OuterState:
                 tokens_merged=self.tokens_merged,
                 pending_deltas=sum(len(f.pending) for f in self.fragments),
                 bytes_received=self.bytes_received,
-                model_parameters=sum(x.numel() for x in self.params),
+                model_parameters=sum(self.tensor(i).numel() for i in self.owned_ids),
                 learners=[
                     LearnerStatus(
                         learner_id=k,
                         deltas_accepted=r.accepted,
                         deltas_merged=r.merged,
                         deltas_refused=r.refused,
-                        tokens_merged=r.work(r.tokens_merged, p),
-                        tokens_accepted=r.work(r.tokens_accepted, p),
+                        tokens_merged=r.work(r.tokens_merged, owned),
+                        tokens_accepted=r.work(r.tokens_accepted, owned),
                         last_seq=r.last_seq_accepted,
                     )
                     for k, r in sorted(self.learners.items())
@@ -458,7 +496,7 @@ class OuterState:
                         fragment=f.index,
                         version=f.version,
                         tokens_merged=f.tokens_merged,
-                        parameters=sum(self.params[i].numel() for i in f.tensor_ids),
+                        parameters=sum(self.tensor(i).numel() for i in f.tensor_ids),
                         merged_by_learner=dict(f.merged_by_learner),
                         lead_seconds=dict(f.leads),
                     )

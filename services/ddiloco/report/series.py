@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from ddiloco.common.metrics import EVALUATOR_SOURCES
+
 # what a person reading the plots should see marked on the time axis
 FAULT_KINDS = ("fault", "learner_dead", "learner_failed", "restore", "checkpoint_failed")
 
@@ -35,10 +37,12 @@ def build(events: list[dict]) -> RunSeries:
             tokens_at[e["version"]] = e["tokens_merged"]
         if kind == "merge":
             out.merges.append((s, e["version"], list(e.get("staleness", []))))
-        elif kind in ("eval", "finalize") and e.get("source") == "outer":
+        elif kind in ("eval", "finalize") and e.get("source") in EVALUATOR_SOURCES and e.get("eval_loss") is not None:
             version = e["version"]
-            # the tokens of the newest merge at or below the evaluated version
-            tokens = tokens_at.get(version, max((v for k, v in tokens_at.items() if k <= version), default=0))
+            tokens = e.get("tokens")
+            if tokens is None:  # a log from before evaluations named their tokens
+                # the tokens of the newest merge at or below the evaluated version
+                tokens = tokens_at.get(version, max((v for k, v in tokens_at.items() if k <= version), default=0))
             out.evals.append((s, version, tokens, e["eval_loss"]))
         elif kind in ("upload_acked", "pull"):
             lid = int(e["learner"])

@@ -54,7 +54,7 @@ class ModelSignature(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ..., values_sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms")
+    __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms", "outer_shards")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class RegisterResponse(_message.Message):
     OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_SHARDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     shard_index: int
@@ -71,7 +72,8 @@ class RegisterResponse(_message.Message):
     outer_address: str
     lease_ms: int
     heartbeat_ms: int
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    outer_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "learner_id", "stats")
@@ -84,14 +86,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("state", "outer_address", "lease_ms")
+    __slots__ = ("state", "outer_address", "lease_ms", "outer_shards")
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_SHARDS_FIELD_NUMBER: _ClassVar[int]
     state: RunState
     outer_address: str
     lease_ms: int
-    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    outer_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "learner_id", "stats", "reason")
@@ -150,28 +154,32 @@ class Member(_message.Message):
     def __init__(self, learner_id: _Optional[int] = ..., address: _Optional[str] = ..., datacenter: _Optional[str] = ..., alive: _Optional[bool] = ..., left: _Optional[bool] = ..., ms_since_heartbeat: _Optional[int] = ..., shard_index: _Optional[int] = ..., incarnation: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
 
 class Membership(_message.Message):
-    __slots__ = ("run_id", "state", "outer_address", "members", "elapsed_seconds")
+    __slots__ = ("run_id", "state", "outer_address", "members", "elapsed_seconds", "outer_shards")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_SHARDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     outer_address: str
     members: _containers.RepeatedCompositeFieldContainer[Member]
     elapsed_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+    outer_shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., elapsed_seconds: _Optional[float] = ..., outer_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterServiceRequest(_message.Message):
-    __slots__ = ("run_id", "kind", "address")
+    __slots__ = ("run_id", "kind", "address", "shard")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     kind: str
     address: str
-    def __init__(self, run_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    shard: int
+    def __init__(self, run_id: _Optional[str] = ..., kind: _Optional[str] = ..., address: _Optional[str] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class RegisterServiceResponse(_message.Message):
     __slots__ = ("run_id", "state")

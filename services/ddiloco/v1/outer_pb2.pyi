@@ -15,6 +15,14 @@ class PushOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PUSH_OUTCOME_UNSPECIFIED: PushOutcome
 PUSH_OUTCOME_ACCEPTED: PushOutcome
 
+class ReadFragmentRequest(_message.Message):
+    __slots__ = ("run_id", "fragment")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    fragment: int
+    def __init__(self, run_id: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
+
 class DeltaHeader(_message.Message):
     __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

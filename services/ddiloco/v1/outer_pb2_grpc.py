@@ -60,6 +60,11 @@ class OuterOptimizerStub:
                 request_serializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.SerializeToString,
                 response_deserializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.FromString,
                 _registered_method=True)
+        self.ReadFragment = channel.unary_stream(
+                '/ddiloco.v1.OuterOptimizer/ReadFragment',
+                request_serializer=ddiloco_dot_v1_dot_outer__pb2.ReadFragmentRequest.SerializeToString,
+                response_deserializer=ddiloco_dot_v1_dot_outer__pb2.GlobalChunk.FromString,
+                _registered_method=True)
 
 
 class OuterOptimizerServicer:
@@ -102,6 +107,14 @@ class OuterOptimizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadFragment(self, request, context):
+        """The full fp32 copy of one fragment this shard owns, for the shard that evaluates the
+        global model (outer shard 0 gathers the other shards' fragments). Outer role only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OuterOptimizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +142,11 @@ def add_OuterOptimizerServicer_to_server(servicer, server):
                     servicer.UploadOffset,
                     request_deserializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.FromString,
                     response_serializer=ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.SerializeToString,
+            ),
+            'ReadFragment': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFragment,
+                    request_deserializer=ddiloco_dot_v1_dot_outer__pb2.ReadFragmentRequest.FromString,
+                    response_serializer=ddiloco_dot_v1_dot_outer__pb2.GlobalChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +285,33 @@ class OuterOptimizer:
             '/ddiloco.v1.OuterOptimizer/UploadOffset',
             ddiloco_dot_v1_dot_outer__pb2.UploadOffsetRequest.SerializeToString,
             ddiloco_dot_v1_dot_outer__pb2.UploadOffsetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFragment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ddiloco.v1.OuterOptimizer/ReadFragment',
+            ddiloco_dot_v1_dot_outer__pb2.ReadFragmentRequest.SerializeToString,
+            ddiloco_dot_v1_dot_outer__pb2.GlobalChunk.FromString,
             options,
             channel_credentials,
             insecure,
