@@ -1,6 +1,7 @@
-"""The learner's view of an outer optimizer of S shards, with ``OuterClient``'s interface.
+"""The learner's view of an outer optimizer of S shards, with the part of ``OuterClient``'s
+interface the uploader and the puller use.
 
-Each fragment's upload, upload offset and download go to the shard that owns it
+Each fragment's upload (with its resumption) and download go to the shard that owns it
 (``common/fragments.shard_of``); the status is the shards' statuses combined
 (``common/shard_status.py``), so the uploader and the puller work unchanged whether the
 outer optimizer is one process or several.
@@ -8,8 +9,9 @@ outer optimizer is one process or several.
 The status long poll waits on every shard at once (each for a version newer than the one
 it last reported) and answers as soon as one of them merged. A shard that cannot be reached
 meanwhile (restarting) is represented by its last status, so the learner goes on folding
-the other shards' merges; a status without waiting (start-up, the uploader's sequence
-check) needs every shard and raises the first error.
+the other shards' merges; a status without waiting (start-up) needs every shard and
+raises the first error. Uploads go through ``clients[i]`` directly, one uploader per shard
+(``learner/shard_uploader.py``), which checks a repeated sequence against its own shard.
 """
 
 from __future__ import annotations
@@ -22,9 +24,21 @@ import grpc
 
 from ddiloco.common import codec
 from ddiloco.common.fragments import shard_of
+from ddiloco.common.rpc import channel
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import GlobalParams, OuterClient
-from ddiloco.v1 import outer_pb2
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+
+def read_status(addresses: Sequence[str], security=None, timeout: float = 2.0) -> outer_pb2.OuterStatus:
+    """One read of every outer shard at ``addresses`` (one address: the outer optimizer),
+    combined as one status, for a reader with no client of its own (the coordinator's page,
+    the launcher's progress line). Raises the first shard's ``grpc.RpcError``."""
+    statuses = []
+    for address in addresses:
+        with channel(address, security, server_role="outer") as ch:
+            statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
+    return combine_statuses(statuses)
 
 
 class ShardedOuterClient:
@@ -40,10 +54,6 @@ class ShardedOuterClient:
         self._last: list[outer_pb2.OuterStatus | None] = [None] * len(self.clients)
         self._lock = threading.Lock()
 
-    @property
-    def address(self) -> str:
-        return ",".join(self.addresses)
-
     def close(self) -> None:
         for c in self.clients:
             c.close()
@@ -54,15 +64,6 @@ class ShardedOuterClient:
     # ------------------------------------------------------------------ per fragment
     def push(self, enc: codec.Encoded, *, fragment: int = 0, **kwargs) -> outer_pb2.PushDeltaResponse:
         return self.owner(fragment).push(enc, fragment=fragment, **kwargs)
-
-    def upload_offset(self, header: outer_pb2.DeltaHeader, payload_bytes: int, timeout: float) -> int:
-        return self.owner(header.fragment).upload_offset(header, payload_bytes, timeout)
-
-    def push_payload(self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0):
-        return self.owner(header.fragment).push_payload(header, payload, timeout, offset)
-
-    def pull_payload(self, fragment: int, have_version: int, timeout: float):
-        return self.owner(fragment).pull_payload(fragment, have_version, timeout)
 
     def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
         return self.owner(fragment).pull(fragment, have_version, timeout)

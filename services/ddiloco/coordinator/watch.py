@@ -19,9 +19,8 @@ import time
 import grpc
 
 from ddiloco.common.metrics import EVALUATOR_SOURCES
-from ddiloco.common.rpc import channel
-from ddiloco.common.shard_status import combine_statuses
-from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+from ddiloco.common.shard_client import read_status
+from ddiloco.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +85,12 @@ class RunWatch:
         addresses = list(self.members.outer_shards)
         if not all(addresses):
             return
-        statuses = []
-        for address in addresses:  # every shard, combined as one outer optimizer (common/shard_status.py)
-            try:
-                with channel(address, self.security, server_role="outer") as ch:
-                    statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=2))
-            except grpc.RpcError:
-                return  # down or restarting: the page keeps the last status and says how old it is
+        try:
+            st = read_status(addresses, self.security)  # every shard, combined as one outer optimizer
+        except grpc.RpcError:
+            return  # down or restarting: the page keeps the last status and says how old it is
         with self.lock:
-            self.outer = combine_statuses(statuses)
+            self.outer = st
 
     def _tail(self) -> None:
         if self.path is None or not self.path.exists():

@@ -15,9 +15,8 @@ from typing import TextIO
 import grpc
 from tqdm import tqdm
 
-from ddiloco.common.rpc import channel
-from ddiloco.common.shard_status import combine_statuses
-from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
+from ddiloco.common.shard_client import read_status
+from ddiloco.v1 import coordinator_pb2
 
 WIDTH = 80
 PERMILLE = 1000  # the bar's total: the spent share of the budget, in thousandths
@@ -150,11 +149,7 @@ def read(coordinator_membership, timeout: float = 2.0, security=None) -> Snapsho
     addresses = list(m.outer_shards) or [m.outer_address]
     if all(addresses):
         try:
-            statuses = []
-            for address in addresses:  # every outer shard, read as one (common/shard_status.py)
-                with channel(address, security, server_role="outer") as ch:
-                    statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
-            st = combine_statuses(statuses)
+            st = read_status(addresses, security, timeout)  # every outer shard, read as one
             snap.version = st.version
             if st.last_eval_version or st.last_eval_loss:
                 snap.loss = st.last_eval_loss

@@ -103,15 +103,22 @@ def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
     checkpoints = path / "outer" / "checkpoints"
     if not checkpoints.is_dir():
         raise SourceError(f"{path}: not a run folder (no outer/checkpoints), checkpoint folder or exported file")
-    cfg = _run_config(path, path)
+    return _from_folder(checkpoints, _run_config(path, path), path, version)
+
+
+def _from_folder(
+    checkpoints: pathlib.Path, cfg: RunConfig, origin: pathlib.Path, version: int | None = None
+) -> GlobalModel:
+    """The checkpoint of ``version`` kept in ``checkpoints``, or (None) the one LATEST names,
+    falling back to the newest complete one; ``origin`` names the run (or shard) in messages."""
     folders = sorted((p for p in checkpoints.iterdir() if p.is_dir() and folder_key(p) is not None), key=folder_key)
     if not folders:
-        raise SourceError(f"{path}: the run has no checkpoint yet")
+        raise SourceError(f"{origin}: the run has no checkpoint yet")
     if version is not None:
         chosen = [p for p in folders if folder_key(p)[0] == version]
         if not chosen:
             kept = sorted({folder_key(p)[0] for p in folders})
-            raise SourceError(f"{path}: no checkpoint of version {version}; the run keeps versions {kept}")
+            raise SourceError(f"{origin}: no checkpoint of version {version}; the run keeps versions {kept}")
         return _load_checkpoint(chosen[-1], cfg)
     latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).exists() else None
     order = ([checkpoints / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
@@ -121,22 +128,7 @@ def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
             return _load_checkpoint(folder, cfg)
         except SourceError as exc:
             problems.append(str(exc))
-    raise SourceError(f"{path}: no complete checkpoint: " + "; ".join(problems))
-
-
-def _latest(checkpoints: pathlib.Path, cfg: RunConfig, origin: pathlib.Path) -> GlobalModel:
-    folders = sorted((p for p in checkpoints.iterdir() if p.is_dir() and folder_key(p) is not None), key=folder_key)
-    if not folders:
-        raise SourceError(f"{origin}: the run has no checkpoint yet ({checkpoints})")
-    latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).exists() else None
-    order = ([checkpoints / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
-    problems = []
-    for folder in order:
-        try:
-            return _load_checkpoint(folder, cfg)
-        except SourceError as exc:
-            problems.append(str(exc))
-    raise SourceError(f"{origin}: no complete checkpoint in {checkpoints}: " + "; ".join(problems))
+    raise SourceError(f"{origin}: no complete checkpoint: " + "; ".join(problems))
 
 
 def _load_sharded(path: pathlib.Path) -> GlobalModel:
@@ -145,7 +137,7 @@ def _load_sharded(path: pathlib.Path) -> GlobalModel:
     cfg = _run_config(path, path)
     if cfg.outer_shards < 2:
         raise SourceError(f"{path}: has outer-0/ but its configuration has {cfg.outer_shards} outer shard")
-    parts = [_latest(path / f"outer-{i}" / "checkpoints", cfg, path) for i in range(cfg.outer_shards)]
+    parts = [_from_folder(path / f"outer-{i}" / "checkpoints", cfg, path / f"outer-{i}") for i in range(cfg.outer_shards)]
     params: dict[str, torch.Tensor] = {}
     momentum: dict[str, torch.Tensor] = {}
     for part in parts:

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from ddiloco.common import errors
-from ddiloco.common.fragments import partition, shard_of
+from ddiloco.common.fragments import shard_of
 from ddiloco.common.rpc import channel
 from ddiloco.common.wire import OUTER_SERVICE, chunk_parser, decode_payload, reassemble
 from ddiloco.v1 import outer_pb2
@@ -38,8 +38,7 @@ class FragmentGather:
         self.state = state
         self.addresses = addresses
         self.security = security
-        cfg = state.config
-        self.parts = partition([int(np.prod(s)) for s in state.shapes], cfg.fragments)
+        self.parts = state.parts  # every fragment's tensors, as the state partitioned them
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 

@@ -24,8 +24,9 @@ class KnownLearners:
         self._started = time.monotonic()
         self._lock = threading.Lock()
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
-        self.registered_outer = "?"  # the outer address the coordinator knows; "" once it forgot us
-        self.outer_shards: list[str] = []  # every outer shard's address the coordinator knows, by index
+        # every outer shard's address the coordinator knows, by index ("" once it forgot one);
+        # None until it first answered
+        self.outer_shards: list[str] | None = None
 
     def refresh(self) -> None:
         resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
@@ -34,20 +35,19 @@ class KnownLearners:
             self._live = sum(1 for m in resp.members if m.alive)
             self._members = len(resp.members)
             self.last_state = resp.state
-            self.registered_outer = resp.outer_address
             self.outer_shards = list(resp.outer_shards) or [resp.outer_address]
 
     def shard_registered(self, shard: int) -> bool:
         """Whether the coordinator knows outer shard ``shard``'s address (True until the first
         refresh: only a coordinator that answered can have forgotten it)."""
         with self._lock:
-            if self.registered_outer == "?":
+            if self.outer_shards is None:
                 return True
             return shard < len(self.outer_shards) and bool(self.outer_shards[shard])
 
     def shard_addresses(self) -> list[str]:
         with self._lock:
-            return list(self.outer_shards)
+            return list(self.outer_shards or [])
 
     def live_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
         """Learners holding a lease, which bounds the quorum so a run whose learners died keeps

@@ -85,9 +85,10 @@ class OuterState:
         self.names = [n for n, _ in named]
         self.shapes = [tuple(p.shape) for _, p in named]
         self.shard = shard
-        parts = partition([p.numel() for _, p in named], config.fragments)
+        # every fragment's tensors (this shard builds records for its own only)
+        self.parts = partition([p.numel() for _, p in named], config.fragments)
         owned = shard_fragments(shard, config.outer_shards, config.fragments)  # raises for a shard the run lacks
-        self.owned_ids = sorted(i for f in owned for i in parts[f])
+        self.owned_ids = sorted(i for f in owned for i in self.parts[f])
         mine = set(self.owned_ids)
         # only this shard's tensors are held: a shard's memory is its fragments', not the model's
         self.params: list[torch.Tensor | None] = [
@@ -100,7 +101,7 @@ class OuterState:
             self._warm_start(pathlib.Path(config.init_from))
         ocfg = config.outer
         self.fragments = [
-            Fragment(f, parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov)) for f in owned
+            Fragment(f, self.parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov)) for f in owned
         ]
         self.by_index = {f.index: f for f in self.fragments}
         self.version = 0  # merges across all fragments: the global clock, only ever increases
