@@ -11,6 +11,9 @@ learners) and the eval curve all along, two seeds each:
     ddiloco-fp32       ddiloco run --codec fp32: asynchronous, unquantized (only when named in
                        --methods: a diagnostic that separates what asynchrony costs from what
                        quantization and its error feedback cost)
+    ddiloco-int8-unitgain  ddiloco-int8 with --full-gain-rounds 1 (only when named): the
+                       former merge rule, every round of a merge beyond the first at unit
+                       gain, for a side-by-side comparison with the current one
 
 A seed sets the initial model (RunConfig.seed) and the order the shards are read in
 (DataConfig.seed = 1234 + seed); the split of the corpus is the same for every seed.
@@ -53,8 +56,9 @@ if str(HERE) not in sys.path:
 import common_bench as cb  # noqa: E402  (also puts services/ on sys.path)
 
 ROOT = cb.ROOT
-METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4", "ddiloco-fp32"]  # also the run order
-DEFAULT_METHODS = METHODS[:5]  # ddiloco-fp32 is a diagnostic, run only when asked for
+METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4", "ddiloco-fp32",
+           "ddiloco-int8-unitgain"]  # also the run order
+DEFAULT_METHODS = METHODS[:5]  # ddiloco-fp32 and ddiloco-int8-unitgain are diagnostics, run only when asked for
 EXTRA_METHODS = ("ddiloco-int4", "ddiloco-int8-slow")  # run at --extras-at only
 SLOW_FACTOR = 3.0
 ROW_KEYS = ["method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
@@ -71,6 +75,7 @@ def method_flags(method: str, m: int) -> list[str]:
         "ddiloco-int4": ["--codec", "int4"],
         "ddiloco-int8-slow": ["--codec", "int8"],
         "ddiloco-fp32": ["--codec", "fp32"],
+        "ddiloco-int8-unitgain": ["--codec", "int8", "--full-gain-rounds", "1"],
     }.get(method, [])
 
 

@@ -104,21 +104,50 @@ def test_staleness_shortens_the_momentum_memory_but_never_the_steady_state_updat
         assert _steady_round_update([0.25] * 4, staleness=staleness) == pytest.approx(7.0, rel=1e-3)
 
 
-def test_a_backlog_of_k_rounds_moves_one_synchronous_step_plus_the_rest_at_unit_gain():
-    """From rest: f = 1 moves lr * (1 + momentum) * g; each further round moves g once."""
-    for k in (1.0, 2.0, 5.5, 100.0):
-        opt = merge.WorkClockNesterov(0.7, 0.9)
-        p = torch.zeros(1)
-        opt.step([p], [torch.ones(1)], k)
-        assert -p.item() == pytest.approx(0.7 * 1.9 + (k - 1.0), rel=1e-6)
+def test_a_backlog_of_k_rounds_moves_one_full_gain_step_plus_the_rest_at_unit_gain():
+    """From rest, with the full-gain part F: the step of f = min(k, F) moves
+    lr * f * (1 + momentum * (1 - 0.9^f) / 0.1) * g; each further round moves g once."""
+    for full in (1.0, 1.5):
+        for k in (1.0, 1.5, 2.0, 5.5, 100.0):
+            opt = merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=full)
+            p = torch.zeros(1)
+            opt.step([p], [torch.ones(1)], k)
+            f = min(k, full)
+            assert -p.item() == pytest.approx(0.7 * f * (1 + 0.9 * (1 - 0.9**f) / 0.1) + (k - f), rel=1e-6)
 
 
 def test_a_backlog_averages_its_rate_into_the_momentum_for_the_rounds_it_stands_for():
-    """From rest: the first round adds g; the 2 rounds beyond it decay by 0.9^2 and add
-    (1 - 0.9^2) / 0.1 g, as two ordinary rounds of the same rate would."""
+    """From rest: the first 1.5 rounds add (1 - 0.9^1.5) / 0.1 g; the 1.5 rounds beyond them
+    decay by 0.9^1.5 and add (1 - 0.9^1.5) / 0.1 g, as ordinary rounds of the same rate would:
+    the buffer is that of three ordinary rounds, (1 - 0.9^3) / 0.1 g."""
     opt = merge.WorkClockNesterov(0.7, 0.9)
     opt.step([torch.zeros(1)], [torch.ones(1)], 3.0)
-    assert opt.buffers[0].item() == pytest.approx(0.9**2 + (1 - 0.9**2) / 0.1, rel=1e-6)
+    assert opt.buffers[0].item() == pytest.approx((1 - 0.9**3) / 0.1, rel=1e-6)
+
+
+@pytest.mark.parametrize("rounds", [1.05, 1.2, 1.5])
+def test_merges_of_lengthened_windows_move_exactly_the_synchronous_step_per_round(rounds):
+    """Phase alignment lengthens windows by up to H/2, so merges of M aligned windows hold up to
+    1.5 rounds: the synchronous recipe with a longer window, 7 g per round in steady state."""
+    assert _steady_round_update([rounds]) / rounds == pytest.approx(7.0, rel=1e-6)
+
+
+def test_the_former_unit_gain_rule_stepped_short_on_lengthened_windows():
+    """With only the first round at full gain, a merge of 1 + e rounds moved (7 + e) / (1 + e)
+    per round: 6.0 instead of 7 at e = 0.2 (what cost +1.2% at M = 4)."""
+    opt = merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=1.0)
+    p = torch.zeros(1, dtype=torch.float64)
+    g = torch.ones(1, dtype=torch.float64)
+    for _ in range(300):
+        opt.step([p], [g], 1.2)
+    before = p.clone()
+    opt.step([p], [g], 1.2)
+    assert (before - p).item() / 1.2 == pytest.approx((7 + 0.2) / 1.2, rel=1e-6)
+
+
+def test_full_gain_rounds_below_one_round_is_refused():
+    with pytest.raises(ValueError, match="full_gain_rounds"):
+        merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=0.5)
 
 
 def test_an_outage_leaves_the_steady_state_momentum_and_the_next_rounds_update_unchanged():
@@ -321,10 +350,12 @@ def test_without_the_work_clock_every_merge_is_one_round():
     assert plan.fraction == 1.0
 
 
-def test_a_merge_is_split_into_its_first_round_and_the_backlog():
+def test_a_merge_is_split_into_its_full_gain_part_and_the_backlog():
     assert merge.split_fraction(0.25) == (0.25, 0.0)
     assert merge.split_fraction(1.0) == (1.0, 0.0)
-    assert merge.split_fraction(3.5) == (1.0, 2.5)
+    assert merge.split_fraction(1.4) == (1.4, 0.0)  # aligned windows: no backlog
+    assert merge.split_fraction(3.5) == (1.5, 2.0)
+    assert merge.split_fraction(3.5, full_gain_rounds=1.0) == (1.0, 2.5)
 
 
 def test_the_buffer_decay_and_gain_keep_the_steady_state_at_g_over_one_minus_momentum():

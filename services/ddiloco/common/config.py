@@ -120,6 +120,11 @@ class OuterConfig:
     # step, it raises the weight of the newest stale direction, and cost +9% eval loss at
     # M = 8 in bench/async_lab.py (docs/algorithm.md).
     staleness_gain: float = 0.0
+    # A merge's work up to this many rounds is one work-clock Nesterov step (exact in steady
+    # state); beyond it, a backlog trained from one base, applied at unit gain. 1.5: the
+    # longest merge of phase-aligned windows (H + H/2 steps each). 1 is the former rule,
+    # which stepped short on every lengthened window (ddiloco.common.merge).
+    full_gain_rounds: float = 1.5
     # Grace window after the quorum: wait for more deltas at most gamma x the usable slack,
     # the fastest learner's window (overlap_steps x its step time) less the upload, merge and
     # download times and its window-length jitter (ddiloco.outer.timing). overlap_steps 0: H.

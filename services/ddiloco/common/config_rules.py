@@ -68,6 +68,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("outer.momentum", "--outer-momentum", _between(0, 1, hi_open=True), "a fraction in [0, 1)"),
     ("outer.quorum", "--quorum", _between(0, MAX_LEARNERS), "0 (= half the learners, rounded up) or a number of learners"),
     ("outer.staleness_gain", "--staleness-gain", _nonneg, "a non-negative number"),
+    ("outer.full_gain_rounds", "--full-gain-rounds", _between(1, 1024), "a number of rounds from 1 to 1024"),
     ("outer.overlap_steps", "--overlap-steps", _nonneg, "0 (= H) or a positive number of steps"),
     ("outer.grace_gamma", None, _between(0, 1), "a fraction in [0, 1]"),
     ("outer.max_grace_s", None, _nonneg, "0 (= the lease timeout) or a positive number of seconds"),

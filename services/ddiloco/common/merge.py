@@ -18,19 +18,27 @@ clock*:
   ``lr * g / (1 - momentum)`` (7 g at 0.7 / 0.9), exactly the synchronous one, for any
   arrival pattern and quorum. (Adding ``f * g`` instead, the obvious choice, falls 3-4%
   short at M = 4..8: ``f / (1 - momentum ** f) < 1 / (1 - momentum)``.)
-* A merge worth more than one round (a backlog: learners that trained several windows from
-  one base while the outer optimizer was down or cut off) is not several rounds: the learners
-  never re-based, so their displacement already integrates that work along one trajectory.
-  Its first round is an ordinary step; the rest is applied at unit gain (the learners' own
-  average displacement, no extrapolation). Applying the Nesterov gain to every round of a
-  backlog extrapolates the same work k-fold: one restart after a 10 s outage took the eval
-  loss from 2.5 to 5.7 that way. The momentum buffer, an average of the pseudo-gradient rate
-  per round of work, takes the backlog's rounds in at the backlog's rate (decay ``m ** e``,
-  gain ``(1 - m ** e) / (1 - m)`` for the ``e`` rounds beyond the first): in steady state it
-  is unchanged, as a synchronous run's buffer is across the same outage. Decaying it for
-  those rounds without the gain, the former rule, erased a quarter of it per outer restart
-  in the chaos bench (norm 2.79 to 2.10 after a 3.5-round backlog), and the merges after
-  the restart stepped 25-45% short for about ten rounds while it grew back.
+* A merge worth more than one round comes in two kinds. Phase alignment lengthens a window
+  by up to H/2 steps (``learner/worker.py``), so a merge of M aligned windows holds up to
+  1.5 rounds of work done on one base each: that is the synchronous recipe with a longer
+  window, and its whole fraction is one work-clock step (decay ``m ** f``, step
+  ``lr * f * (g + m * buf)``), exact in steady state (``7 f g``). Applying only the first
+  round at the Nesterov gain and the rest at unit gain, the former rule, stepped
+  ``(7 + e) / (1 + e)`` per round instead of 7: at M = 4, where 82% of merges hold more than
+  one round, that cost +1.2% eval loss against synchronous DiLoCo (docs/quality.md).
+  Beyond ``full_gain_rounds`` (1.5 by default) a merge is a backlog: learners that trained
+  several windows from one base while the outer optimizer was down or cut off. The learners
+  never re-based, so their displacement already integrates that work along one trajectory;
+  the rest is applied at unit gain (the learners' own average displacement, no
+  extrapolation). Applying the Nesterov gain to every round of a backlog extrapolates the
+  same work k-fold: one restart after a 10 s outage took the eval loss from 2.5 to 5.7 that
+  way. The momentum buffer, an average of the pseudo-gradient rate per round of work, takes
+  the backlog's rounds in at the backlog's rate (decay ``m ** e``, gain
+  ``(1 - m ** e) / (1 - m)`` for the ``e`` rounds beyond the full-gain part): in steady
+  state it is unchanged, as a synchronous run's buffer is across the same outage. Decaying
+  it for those rounds without the gain, an earlier rule, erased a quarter of it per outer
+  restart in the chaos bench (norm 2.79 to 2.10 after a 3.5-round backlog), and the merges
+  after the restart stepped 25-45% short for about ten rounds while it grew back.
 
 Weights and staleness
 ---------------------
@@ -61,6 +69,8 @@ from typing import Sequence
 import torch
 
 MERGE_RULES = ("weighted", "mean", "rda")
+# The longest merge of single windows: phase alignment lengthens a window by at most H/2
+DEFAULT_FULL_GAIN_ROUNDS = 1.5
 
 
 @dataclass(frozen=True)
@@ -262,15 +272,16 @@ def delta_linf_bound(
     return max(2.0 * move, move + residual)
 
 
-def split_fraction(fraction: float) -> tuple[float, float]:
-    """The work-clock substeps of a merge worth ``fraction`` rounds: (the first round, at
-    most 1, taken as an ordinary step; the backlog beyond it, applied at unit gain)."""
-    first = min(fraction, 1.0)
+def split_fraction(fraction: float, full_gain_rounds: float = DEFAULT_FULL_GAIN_ROUNDS) -> tuple[float, float]:
+    """The work-clock substeps of a merge worth ``fraction`` rounds: (the part up to
+    ``full_gain_rounds``, taken as one ordinary work-clock step; the backlog beyond it,
+    applied at unit gain)."""
+    first = min(fraction, full_gain_rounds)
     return first, fraction - first
 
 
 def buffer_decay_and_gain(momentum: float, fraction: float, staleness: float = 0.0) -> tuple[float, float]:
-    """(d, gain) of the momentum buffer for a step of ``fraction`` <= 1 round:
+    """(d, gain) of the momentum buffer for a step of ``fraction`` rounds:
     ``buf <- d * buf + gain * g`` with ``d = momentum ** (f * (1 + staleness))`` and
     ``gain = (1 - d) / (1 - momentum)``, so the buffer's steady state is ``g / (1 - momentum)``
     whatever the fractions (``WorkClockNesterov.step``)."""
@@ -285,14 +296,19 @@ class WorkClockNesterov:
     nesterov=True)`` applied to the pseudo-gradient ``g``. A fraction ``f < 1`` decays the
     buffer by ``d = momentum ** f`` and adds ``(1 - d) / (1 - momentum) * g``, so the buffer's
     steady state, and with it the update per round of work, is the synchronous one exactly,
-    whatever the fractions. ``f > 1`` (a backlog) takes one ordinary step for the first
-    round and applies the rest at unit gain, the buffer averaging in the backlog's rate for
-    those rounds (see the module docstring).
+    whatever the fractions. Up to ``full_gain_rounds`` (a merge of aligned windows, up to
+    1.5 H steps each) the whole fraction is that one step; beyond it (a backlog) the rest is
+    applied at unit gain, the buffer averaging in the backlog's rate for those rounds (see
+    the module docstring).
     """
 
-    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True) -> None:
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 full_gain_rounds: float = DEFAULT_FULL_GAIN_ROUNDS) -> None:
         if not (0.0 <= momentum < 1.0):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not (math.isfinite(full_gain_rounds) and full_gain_rounds >= 1.0):
+            raise ValueError(f"full_gain_rounds must be at least 1, got {full_gain_rounds}")
+        self.full_gain_rounds = full_gain_rounds
         self.lr = lr
         self.momentum = momentum
         self.nesterov = nesterov
@@ -318,7 +334,7 @@ class WorkClockNesterov:
             raise ValueError(f"staleness must be non-negative and finite, got {staleness}")
         if self.buffers is None:
             self.buffers = [torch.zeros_like(p) for p in params]
-        f, excess = split_fraction(fraction)
+        f, excess = split_fraction(fraction, self.full_gain_rounds)
         m = self.momentum
         decay, gain = buffer_decay_and_gain(m, f, staleness)
         backlog_decay, backlog_gain = buffer_decay_and_gain(m, excess) if excess > 0 else (1.0, 0.0)
@@ -330,7 +346,7 @@ class WorkClockNesterov:
             else:
                 change = buf * (f * self.lr)
             if excess > 0:
-                # the backlog beyond one round: the learners' own displacement, no
+                # the backlog beyond the full-gain part: the learners' own displacement, no
                 # extrapolation; the buffer averages in its rate for those rounds
                 change.add_(g, alpha=excess)
                 buf.mul_(backlog_decay).add_(g, alpha=backlog_gain)

@@ -101,7 +101,7 @@ class OuterState:
             self._warm_start(pathlib.Path(config.init_from))
         ocfg = config.outer
         self.fragments = [
-            Fragment(f, self.parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov)) for f in owned
+            Fragment(f, self.parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov, ocfg.full_gain_rounds)) for f in owned
         ]
         self.by_index = {f.index: f for f in self.fragments}
         self.version = 0  # merges across all fragments: the global clock, only ever increases
