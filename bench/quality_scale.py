@@ -11,9 +11,11 @@ learners) and the eval curve all along, two seeds each:
     ddiloco-fp32       ddiloco run --codec fp32: asynchronous, unquantized (only when named in
                        --methods: a diagnostic that separates what asynchrony costs from what
                        quantization and its error feedback cost)
-    ddiloco-int8-unitgain  ddiloco-int8 with --full-gain-rounds 1 (only when named): the
-                       former merge rule, every round of a merge beyond the first at unit
-                       gain, for a side-by-side comparison with the current one
+    ddiloco-int8-unitgain  ddiloco-int8 with --full-gain-rounds 1 (the default rule, named
+                       explicitly; only when named in --methods)
+    ddiloco-int8-fullgain  ddiloco-int8 with --full-gain-rounds 1.5: merges of phase-aligned
+                       windows all at the full Nesterov gain (only when named); the two
+                       side by side compare the merge rules (docs/algorithm.md)
 
 A seed sets the initial model (RunConfig.seed) and the order the shards are read in
 (DataConfig.seed = 1234 + seed); the split of the corpus is the same for every seed.
@@ -57,8 +59,9 @@ import common_bench as cb  # noqa: E402  (also puts services/ on sys.path)
 
 ROOT = cb.ROOT
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4", "ddiloco-fp32",
-           "ddiloco-int8-unitgain"]  # also the run order
-DEFAULT_METHODS = METHODS[:5]  # ddiloco-fp32 and ddiloco-int8-unitgain are diagnostics, run only when asked for
+           "ddiloco-int8-unitgain", "ddiloco-int8-fullgain"]  # also the run order
+DEFAULT_METHODS = METHODS[:5]  # the last three are diagnostics, run only when asked for
+RULE_METHODS = ("ddiloco-int8-unitgain", "ddiloco-int8-fullgain")  # one merge rule each, named explicitly
 EXTRA_METHODS = ("ddiloco-int4", "ddiloco-int8-slow")  # run at --extras-at only
 SLOW_FACTOR = 3.0
 ROW_KEYS = ["method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
@@ -76,6 +79,7 @@ def method_flags(method: str, m: int) -> list[str]:
         "ddiloco-int8-slow": ["--codec", "int8"],
         "ddiloco-fp32": ["--codec", "fp32"],
         "ddiloco-int8-unitgain": ["--codec", "int8", "--full-gain-rounds", "1"],
+        "ddiloco-int8-fullgain": ["--codec", "int8", "--full-gain-rounds", "1.5"],
     }.get(method, [])
 
 
@@ -246,6 +250,15 @@ def targets(rows: list[dict], budget: int) -> list[dict]:
                 LIMITS["int8_vs_sync"], kind="diagnostic")
             add(f"(diagnostic) ddiloco-fp32 vs diloco-sync (mean over the last {TAIL:.0%})", m,
                 tail_gap(rows, m, budget, method="ddiloco-fp32"), LIMITS["int8_vs_sync"], kind="diagnostic")
+        for rule in RULE_METHODS:  # a merge rule named explicitly, beside the defaults' run
+            if not _rows(rows, rule, m):
+                continue
+            add(f"(diagnostic) {rule} vs diloco-sync (final)", m, cb.rel(fin(rule), fin("diloco-sync")),
+                LIMITS["int8_vs_sync"], kind="diagnostic")
+            add(f"(diagnostic) {rule} vs diloco-sync (mean over the last {TAIL:.0%})", m,
+                tail_gap(rows, m, budget, method=rule), LIMITS["int8_vs_sync"], kind="diagnostic")
+            add(f"(diagnostic) ddiloco-int8 vs {rule} (final)", m, cb.rel(fin("ddiloco-int8"), fin(rule)), 0.0,
+                kind="diagnostic")
         if _rows(rows, "ddiloco-int4", m):
             add("ddiloco-int4 vs ddiloco-int8 (final)", m, cb.rel(fin("ddiloco-int4"), fin("ddiloco-int8")), LIMITS["int4_vs_int8"])
         if _rows(rows, "ddiloco-int8-slow", m):

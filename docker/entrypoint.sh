@@ -15,8 +15,8 @@
 # learner-<index>, written to DDILOCO_TLS_DIR before anything dials.
 #
 # Outer shards: with DDILOCO_OUTER_SHARDS > 1 an outer replica takes its shard index from
-# DDILOCO_TASK_SLOT (Swarm) or, with DDILOCO_SHARD_FROM=replica, from its container name
-# (Compose), and advertises its own address (replicas share the service's DNS name): the
+# DDILOCO_TASK_SLOT (Swarm), JOB_COMPLETION_INDEX (a Kubernetes Indexed Job) or, with
+# DDILOCO_SHARD_FROM=replica, from its container name (Compose), and advertises its own address (replicas share the service's DNS name): the
 # first one starting with DDILOCO_ADVERTISE_PREFIX when set (the network learners reach it on).
 #
 # Swarm and Kubernetes have no depends_on, so DDILOCO_WAIT_FOR="host:port ..." waits until
@@ -60,11 +60,17 @@ if [ "$role" = outer ] && [ "${DDILOCO_OUTER_SHARDS:-1}" != 1 ]; then
     if [ -z "${DDILOCO_SHARD:-}" ]; then
         if [ -n "${DDILOCO_TASK_SLOT:-}" ]; then
             export DDILOCO_SHARD="$((DDILOCO_TASK_SLOT - 1))"
+        elif [ -n "${JOB_COMPLETION_INDEX:-}" ]; then
+            export DDILOCO_SHARD="$JOB_COMPLETION_INDEX"
         elif [ "${DDILOCO_SHARD_FROM:-}" = replica ]; then
             # without its index a shard would serve another's fragments: stop
             index=$(ddiloco wan replica-index) || { log "cannot tell which outer shard this is"; exit 1; }
             export DDILOCO_SHARD="$index"
         fi
+    fi
+    if [ -z "${DDILOCO_SHARD:-}" ]; then
+        log "outer shard of $DDILOCO_OUTER_SHARDS without an index (DDILOCO_SHARD, DDILOCO_TASK_SLOT, JOB_COMPLETION_INDEX or DDILOCO_SHARD_FROM=replica)"
+        exit 1
     fi
     addr=""
     for a in $(hostname -i 2> /dev/null); do

@@ -101,6 +101,22 @@ def test_targets_from_known_rows():
     assert by["no run diverged"]["met"] is True
 
 
+def test_a_merge_rule_named_explicitly_is_compared_beside_the_defaults_and_judged_by_no_target():
+    q = _load_bench()
+    rows = [
+        _row("diloco-sync", 4, 0, 2.00, [[0, 5.0], [1000, 2.00]]),
+        _row("ddiloco-int8", 4, 0, 2.01, [[0, 5.0], [1000, 2.01]]),
+        _row("ddiloco-int8-unitgain", 4, 0, 2.03, [[0, 5.0], [1000, 2.03]]),
+    ]
+    by = {t["target"]: t for t in q.targets(rows, 1000)}
+    unit = by["(diagnostic) ddiloco-int8-unitgain vs diloco-sync (final)"]
+    assert unit["value"] == pytest.approx(0.015) and unit["met"] is None
+    assert by["(diagnostic) ddiloco-int8 vs ddiloco-int8-unitgain (final)"]["value"] == pytest.approx(2.01 / 2.03 - 1, abs=1e-5)
+    assert q.method_flags("ddiloco-int8-unitgain", 4) == ["--codec", "int8", "--full-gain-rounds", "1"]
+    assert q.method_flags("ddiloco-int8-fullgain", 4) == ["--codec", "int8", "--full-gain-rounds", "1.5"]
+    assert not any(t.startswith("(diagnostic) ddiloco-int8-fullgain") for t in by)  # not run: not reported
+
+
 def test_plan_runs_extras_only_at_their_m():
     q = _load_bench()
     args = q.parse_args(["--learners", "4,8", "--seeds", "0,1"])

@@ -33,7 +33,8 @@ def test_replicas_of_the_learner_service_are_learners_by_container_number():
     ]
     backend = DockerBackend.for_compose_project("p", Client(found))
     assert backend.containers == {
-        "coordinator": "p-coordinator-1", "outer": "p-outer-1", "learner:0": "p-learner-wan-1", "learner:1": "p-learner-wan-2",
+        "coordinator": "p-coordinator-1", "outer": "p-outer-1", "outer:0": "p-outer-1",
+        "learner:0": "p-learner-wan-1", "learner:1": "p-learner-wan-2",
     }
     assert backend.datacenters == {"learner:0": "dc0", "learner:1": "dc1"}
     assert backend.networks == {"dc0": ["p_datacenters"], "dc1": ["p_datacenters"]}
@@ -44,3 +45,27 @@ def test_one_service_per_datacenter_still_maps_by_its_name():
     backend = DockerBackend.for_compose_project("p", Client(found))
     assert backend.containers == {"learner:3": "p-learner-3-wan-1"}
     assert backend.networks == {"dc3": ["p_dc3"]}
+
+
+def test_replicas_of_the_outer_service_are_its_shards_by_container_number():
+    """DDILOCO_OUTER_SHARDS=2 docker compose up: replica n is shard n - 1 (as the entrypoint
+    numbers it), and `outer` alone is shard 0."""
+    found = [
+        container("p-outer-2", "outer", 2, ["p_hub", "p_datacenters"]),
+        container("p-outer-1", "outer", 1, ["p_hub", "p_datacenters"]),
+    ]
+    backend = DockerBackend.for_compose_project("p", Client(found))
+    assert backend.containers == {"outer": "p-outer-1", "outer:0": "p-outer-1", "outer:1": "p-outer-2"}
+    assert backend.datacenters == {} and backend.networks == {}
+
+
+def test_a_fault_on_an_outer_shard_the_project_lacks_is_refused_before_anything_is_injected(monkeypatch, tmp_path, capsys):
+    from ddiloco import cli
+    from ddiloco.chaos import dockerbackend
+
+    found = [container("p-outer-1", "outer", 1, ["p_hub"]), container("p-coordinator-1", "coordinator", 1, ["p_hub"])]
+    monkeypatch.setattr(dockerbackend, "client", lambda: Client(found))
+    rc = cli.main(["chaos", "--backend", "docker", "--project", "p", "--run-dir", str(tmp_path), "--fault", "kill:outer:1@5s+2s"])
+    assert rc == 2
+    assert "a fault targets outer:1, but project 'p' has 1 outer shard (DDILOCO_OUTER_SHARDS)" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.jsonl").exists()

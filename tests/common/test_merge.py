@@ -117,25 +117,33 @@ def test_a_backlog_of_k_rounds_moves_one_full_gain_step_plus_the_rest_at_unit_ga
 
 
 def test_a_backlog_averages_its_rate_into_the_momentum_for_the_rounds_it_stands_for():
-    """From rest: the first 1.5 rounds add (1 - 0.9^1.5) / 0.1 g; the 1.5 rounds beyond them
-    decay by 0.9^1.5 and add (1 - 0.9^1.5) / 0.1 g, as ordinary rounds of the same rate would:
-    the buffer is that of three ordinary rounds, (1 - 0.9^3) / 0.1 g."""
-    opt = merge.WorkClockNesterov(0.7, 0.9)
-    opt.step([torch.zeros(1)], [torch.ones(1)], 3.0)
-    assert opt.buffers[0].item() == pytest.approx((1 - 0.9**3) / 0.1, rel=1e-6)
+    """From rest: the full-gain part F adds (1 - 0.9^F) / 0.1 g; the 3 - F rounds beyond it
+    decay by 0.9^(3 - F) and add (1 - 0.9^(3 - F)) / 0.1 g, as ordinary rounds of the same
+    rate would: the buffer is that of three ordinary rounds, (1 - 0.9^3) / 0.1 g."""
+    for full in (1.0, 1.5):
+        opt = merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=full)
+        opt.step([torch.zeros(1)], [torch.ones(1)], 3.0)
+        assert opt.buffers[0].item() == pytest.approx((1 - 0.9**3) / 0.1, rel=1e-6)
 
 
 @pytest.mark.parametrize("rounds", [1.05, 1.2, 1.5])
-def test_merges_of_lengthened_windows_move_exactly_the_synchronous_step_per_round(rounds):
+def test_full_gain_rounds_one_and_a_half_moves_merges_of_lengthened_windows_the_synchronous_step(rounds):
     """Phase alignment lengthens windows by up to H/2, so merges of M aligned windows hold up to
-    1.5 rounds: the synchronous recipe with a longer window, 7 g per round in steady state."""
-    assert _steady_round_update([rounds]) / rounds == pytest.approx(7.0, rel=1e-6)
+    1.5 rounds: with them all at the full gain, 7 g per round in steady state."""
+    opt = merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=1.5)
+    p = torch.zeros(1, dtype=torch.float64)
+    g = torch.ones(1, dtype=torch.float64)
+    for _ in range(300):
+        opt.step([p], [g], rounds)
+    before = p.clone()
+    opt.step([p], [g], rounds)
+    assert (before - p).item() / rounds == pytest.approx(7.0, rel=1e-6)
 
 
-def test_the_former_unit_gain_rule_stepped_short_on_lengthened_windows():
-    """With only the first round at full gain, a merge of 1 + e rounds moved (7 + e) / (1 + e)
-    per round: 6.0 instead of 7 at e = 0.2 (what cost +1.2% at M = 4)."""
-    opt = merge.WorkClockNesterov(0.7, 0.9, full_gain_rounds=1.0)
+def test_by_default_the_excess_of_a_lengthened_window_moves_at_unit_gain():
+    """With only the first round at full gain (the default), a merge of 1 + e rounds moves
+    (7 + e) / (1 + e) per round: 6.0 instead of 7 at e = 0.2."""
+    opt = merge.WorkClockNesterov(0.7, 0.9)
     p = torch.zeros(1, dtype=torch.float64)
     g = torch.ones(1, dtype=torch.float64)
     for _ in range(300):
@@ -353,9 +361,10 @@ def test_without_the_work_clock_every_merge_is_one_round():
 def test_a_merge_is_split_into_its_full_gain_part_and_the_backlog():
     assert merge.split_fraction(0.25) == (0.25, 0.0)
     assert merge.split_fraction(1.0) == (1.0, 0.0)
-    assert merge.split_fraction(1.4) == (1.4, 0.0)  # aligned windows: no backlog
-    assert merge.split_fraction(3.5) == (1.5, 2.0)
-    assert merge.split_fraction(3.5, full_gain_rounds=1.0) == (1.0, 2.5)
+    assert merge.split_fraction(1.4) == (1.0, pytest.approx(0.4))
+    assert merge.split_fraction(3.5) == (1.0, 2.5)
+    assert merge.split_fraction(1.4, full_gain_rounds=1.5) == (1.4, 0.0)  # aligned windows: all at full gain
+    assert merge.split_fraction(3.5, full_gain_rounds=1.5) == (1.5, 2.0)
 
 
 def test_the_buffer_decay_and_gain_keep_the_steady_state_at_g_over_one_minus_momentum():

@@ -335,6 +335,15 @@ def test_k8s_invariants():
     coordinator_args = jobs["ddiloco-coordinator"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert learners["completionMode"] == "Indexed"
     assert f"--learners={learners['completions']}" in coordinator_args
+    # one pod per outer shard, pod I shard I (JOB_COMPLETION_INDEX), as many as the run plans
+    outer = jobs["ddiloco-outer"]["spec"]
+    (oc,) = outer["template"]["spec"]["containers"]
+    outer_env = {e["name"]: e.get("value") for e in oc["env"]}
+    assert outer["completionMode"] == "Indexed"
+    assert outer["completions"] == outer["parallelism"] == int(outer_env["DDILOCO_OUTER_SHARDS"])
+    assert f"--outer-shards={outer['completions']}" in coordinator_args
+    assert not any(a.startswith("--advertise") for a in oc["args"])  # a flag would beat a shard's own address
+    assert outer_env["DDILOCO_ADVERTISE"] == "outer:50052"
 
 
 # -- mutual TLS (docs/security.md) -----------------------------------------------------------

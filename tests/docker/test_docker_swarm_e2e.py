@@ -3,7 +3,8 @@
 Swarm ignores depends_on and compose profiles, so this checks what replaces them: the
 entrypoint's health wait (DDILOCO_WAIT_FOR), the WAN profile from DDILOCO_WAN_PROFILE,
 and per-replica datacenter indices from {{.Task.Slot}}. With wan-mixed each replica's link
-must carry its own datacenter's rate. Then the run must train, as under Compose.
+must carry its own datacenter's rate. The outer optimizer runs as two shards, each task
+slot its shard. Then the run must train, as under Compose, and both shards merge.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ ENV = {
     "DDILOCO_DATA_BYTES": "600000",
     "DDILOCO_WAN_PROFILE": PROFILE,
     "DDILOCO_SWARM_SUBNET": "10.78.0.0/24",
+    "DDILOCO_OUTER_SHARDS": "2",
+    "DDILOCO_FRAGMENTS": "2",
 }
 
 
@@ -97,7 +100,7 @@ def test_stack_deploy_trains_health_gated_on_the_overlay(swarm, tmp_path):
     run("docker", "stack", "deploy", "--resolve-image", "never", "-c", str(STACK_FILE), STACK,
         env={**ENV, "DDILOCO_CERTS": str(tmp_path / "tls")})
     t0 = time.monotonic()
-    want = {"coordinator": 1, "outer": 1, "learner": LEARNERS}
+    want = {"coordinator": 1, "outer": 2, "learner": LEARNERS}
     seen_healthy: set[str] = set()
     while len(seen_healthy) < sum(want.values()):
         assert time.monotonic() - t0 < 420, f"not all healthy after 420 s; healthy so far: {sorted(seen_healthy)}"
@@ -133,3 +136,6 @@ def test_stack_deploy_trains_health_gated_on_the_overlay(swarm, tmp_path):
     assert sorted(learners) == list(range(LEARNERS))
     for lid, entry in learners.items():
         assert entry["deltas_merged"] > 0, f"no delta of learner {lid} was merged: {entry}"
+    # task slot n is shard n - 1, owning fragment n - 1 of 2; both merged
+    assert [(s["shard"], s["fragments"]) for s in report["outer_shards"]] == [(0, [0]), (1, [1])], report
+    assert all(s["merges"] > 0 for s in report["outer_shards"]), report["outer_shards"]

@@ -174,6 +174,12 @@ def _main_docker(args: argparse.Namespace) -> int:
         return 2
     horizon = args.cfg_max_seconds if args.cfg_max_seconds is not None else 3600.0
     schedule = build_schedule(args, horizon)
+    missing = sorted({f.target for f in schedule.faults if f.target.startswith("outer:")} - set(backend.containers))
+    if missing:
+        shards = sum(t.startswith("outer:") for t in backend.containers)
+        print(f"ddiloco chaos: error: a fault targets {missing[0]}, but project {args.project!r} has {shards} outer "
+              f"shard{'s' if shards != 1 else ''} (DDILOCO_OUTER_SHARDS)", file=sys.stderr)
+        return 2
     print(f"chaos schedule: {schedule.describe()}\nfault events -> {run_dir}/metrics.jsonl", file=sys.stderr)
     controller = ChaosController(schedule, backend, MetricsLog(run_dir / "metrics.jsonl", "chaos"))
     controller.start()

@@ -9,7 +9,8 @@ containers are disconnected from the datacenter's network(s) and later reconnect
 addresses and aliases they had.
 
 Targets map to containers. ``for_compose_project`` reads them from Compose labels: services
-``coordinator`` and ``outer``; the replicas of a learner service (``learner``,
+``coordinator`` and ``outer`` (with ``DDILOCO_OUTER_SHARDS`` > 1 the outer service's replica n
+is shard ``outer:<n-1>``, as the entrypoint numbers it; ``outer`` is shard 0); the replicas of a learner service (``learner``,
 ``learner-wan``, ...: replica n is ``learner:<n-1>`` in datacenter ``dc<n-1>``), cut off by
 disconnecting the container from the project's networks; and, for a file with one service
 per datacenter, ``learner-N...`` as ``learner:N`` in datacenter ``dcN`` (its
@@ -43,7 +44,7 @@ def client():
 @dataclass
 class DockerBackend:
     docker: object  # docker.DockerClient
-    containers: dict[str, str]  # target (learner:N, outer, coordinator) -> container name
+    containers: dict[str, str]  # target (learner:N, outer, outer:I, coordinator) -> container name
     datacenters: dict[str, str] = field(default_factory=dict)  # learner:N -> datacenter
     networks: dict[str, list[str]] = field(default_factory=dict)  # datacenter -> network names to cut
     volume: str | None = None  # the run volume, for fault events
@@ -58,8 +59,14 @@ class DockerBackend:
         containers, dcs, nets = {}, {}, {}
         for ctr in found:
             service = ctr.labels.get("com.docker.compose.service", "")
-            if service in ("coordinator", "outer"):
+            if service == "coordinator":
                 containers[service] = ctr.name
+                continue
+            if service == "outer":  # replica n is shard n - 1 (entrypoint.sh, DDILOCO_SHARD_FROM=replica)
+                shard = max(0, int(ctr.labels.get("com.docker.compose.container-number", "1")) - 1)
+                containers[f"outer:{shard}"] = ctr.name
+                if shard == 0:
+                    containers["outer"] = ctr.name
                 continue
             networks = list(ctr.attrs["NetworkSettings"]["Networks"])
             per_dc = re.match(r"learner-(\d+)", service)

@@ -120,11 +120,12 @@ class OuterConfig:
     # step, it raises the weight of the newest stale direction, and cost +9% eval loss at
     # M = 8 in bench/async_lab.py (docs/algorithm.md).
     staleness_gain: float = 0.0
-    # A merge's work up to this many rounds is one work-clock Nesterov step (exact in steady
-    # state); beyond it, a backlog trained from one base, applied at unit gain. 1.5: the
-    # longest merge of phase-aligned windows (H + H/2 steps each). 1 is the former rule,
-    # which stepped short on every lengthened window (ddiloco.common.merge).
-    full_gain_rounds: float = 1.5
+    # A merge's work up to this many rounds is one work-clock Nesterov step; beyond it, it is
+    # applied at unit gain (a backlog trained from one base). 1.5 would cover every merge of
+    # phase-aligned windows (H + H/2 steps each) at the full gain, exact for the synchronous
+    # update per round in steady state, but measured side by side it was not better
+    # (docs/quality.md, "Merge rules side by side").
+    full_gain_rounds: float = 1.0
     # Grace window after the quorum: wait for more deltas at most gamma x the usable slack,
     # the fastest learner's window (overlap_steps x its step time) less the upload, merge and
     # download times and its window-length jitter (ddiloco.outer.timing). overlap_steps 0: H.

@@ -18,27 +18,26 @@ clock*:
   ``lr * g / (1 - momentum)`` (7 g at 0.7 / 0.9), exactly the synchronous one, for any
   arrival pattern and quorum. (Adding ``f * g`` instead, the obvious choice, falls 3-4%
   short at M = 4..8: ``f / (1 - momentum ** f) < 1 / (1 - momentum)``.)
-* A merge worth more than one round comes in two kinds. Phase alignment lengthens a window
-  by up to H/2 steps (``learner/worker.py``), so a merge of M aligned windows holds up to
-  1.5 rounds of work done on one base each: that is the synchronous recipe with a longer
-  window, and its whole fraction is one work-clock step (decay ``m ** f``, step
-  ``lr * f * (g + m * buf)``), exact in steady state (``7 f g``). Applying only the first
-  round at the Nesterov gain and the rest at unit gain, the former rule, stepped
-  ``(7 + e) / (1 + e)`` per round instead of 7: at M = 4, where 82% of merges hold more than
-  one round, that cost +1.2% eval loss against synchronous DiLoCo (docs/quality.md).
-  Beyond ``full_gain_rounds`` (1.5 by default) a merge is a backlog: learners that trained
-  several windows from one base while the outer optimizer was down or cut off. The learners
-  never re-based, so their displacement already integrates that work along one trajectory;
-  the rest is applied at unit gain (the learners' own average displacement, no
-  extrapolation). Applying the Nesterov gain to every round of a backlog extrapolates the
-  same work k-fold: one restart after a 10 s outage took the eval loss from 2.5 to 5.7 that
-  way. The momentum buffer, an average of the pseudo-gradient rate per round of work, takes
-  the backlog's rounds in at the backlog's rate (decay ``m ** e``, gain
-  ``(1 - m ** e) / (1 - m)`` for the ``e`` rounds beyond the full-gain part): in steady
-  state it is unchanged, as a synchronous run's buffer is across the same outage. Decaying
-  it for those rounds without the gain, an earlier rule, erased a quarter of it per outer
-  restart in the chaos bench (norm 2.79 to 2.10 after a 3.5-round backlog), and the merges
-  after the restart stepped 25-45% short for about ten rounds while it grew back.
+* A merge worth more than one round (a backlog: learners that trained several windows from
+  one base while the outer optimizer was down or cut off) is not several rounds: the learners
+  never re-based, so their displacement already integrates that work along one trajectory.
+  Its first ``full_gain_rounds`` (default 1) are an ordinary work-clock step; the rest is
+  applied at unit gain (the learners' own average displacement, no extrapolation). Applying
+  the Nesterov gain to every round of a backlog extrapolates the same work k-fold: one
+  restart after a 10 s outage took the eval loss from 2.5 to 5.7 that way. The momentum
+  buffer, an average of the pseudo-gradient rate per round of work, takes the backlog's
+  rounds in at the backlog's rate (decay ``m ** e``, gain ``(1 - m ** e) / (1 - m)`` for the
+  ``e`` rounds beyond the full-gain part): in steady state it is unchanged, as a synchronous
+  run's buffer is across the same outage. Decaying it for those rounds without the gain, an
+  earlier rule, erased a quarter of it per outer restart in the chaos bench (norm 2.79 to
+  2.10 after a 3.5-round backlog), and the merges after the restart stepped 25-45% short for
+  about ten rounds while it grew back.
+* Phase alignment also makes merges of a little more than one round in steady state (a
+  window ends up to H/2 steps late), whose excess the default applies at unit gain too:
+  ``(7 + e) / (1 + e)`` per round instead of the synchronous 7. ``full_gain_rounds = 1.5``
+  makes those exact, and measured side by side it is not better (docs/quality.md, "Merge
+  rules side by side"): exactness per round in steady state is not what decides quality
+  here, so the default stays 1.
 
 Weights and staleness
 ---------------------
@@ -69,8 +68,8 @@ from typing import Sequence
 import torch
 
 MERGE_RULES = ("weighted", "mean", "rda")
-# The longest merge of single windows: phase alignment lengthens a window by at most H/2
-DEFAULT_FULL_GAIN_ROUNDS = 1.5
+# Rounds of a merge at the full gain (OuterConfig.full_gain_rounds; the module docstring)
+DEFAULT_FULL_GAIN_ROUNDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -296,10 +295,9 @@ class WorkClockNesterov:
     nesterov=True)`` applied to the pseudo-gradient ``g``. A fraction ``f < 1`` decays the
     buffer by ``d = momentum ** f`` and adds ``(1 - d) / (1 - momentum) * g``, so the buffer's
     steady state, and with it the update per round of work, is the synchronous one exactly,
-    whatever the fractions. Up to ``full_gain_rounds`` (a merge of aligned windows, up to
-    1.5 H steps each) the whole fraction is that one step; beyond it (a backlog) the rest is
-    applied at unit gain, the buffer averaging in the backlog's rate for those rounds (see
-    the module docstring).
+    whatever the fractions. Up to ``full_gain_rounds`` (default 1) the whole fraction is that
+    one step; beyond it (a backlog) the rest is applied at unit gain, the buffer averaging in
+    the backlog's rate for those rounds (see the module docstring).
     """
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,

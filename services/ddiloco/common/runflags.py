@@ -30,7 +30,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--outer-lr", "outer.lr", float, "outer SGD learning rate"),
     ("--outer-momentum", "outer.momentum", float, "outer Nesterov momentum"),
     ("--staleness-gain", "outer.staleness_gain", float, "momentum memory shortens by this x staleness (default 0: off)"),
-    ("--full-gain-rounds", "outer.full_gain_rounds", float, "rounds of a merge stepped at the full Nesterov gain; beyond, a backlog at unit gain (default 1.5)"),
+    ("--full-gain-rounds", "outer.full_gain_rounds", float, "rounds of a merge stepped at the full Nesterov gain; beyond, a backlog at unit gain (default 1)"),
     ("--quorum", "outer.quorum", int, "K: learners' deltas needed before a fragment merges (0, the default: half the learners)"),
     ("--fragments", "fragments", int, "P: parameter fragments, synced on staggered schedules"),
     ("--outer-shards", "outer_shards", int, "S: outer-optimizer shards, shard I owning the fragments f with f %% S == I (at most P)"),
