@@ -27,6 +27,28 @@ def test_round_tokens_is_m_times_h_times_batch_tokens():
     assert cfg.round_tokens() == 4 * cfg.learner.inner_steps * cfg.learner.batch_size * cfg.model.context
 
 
+def test_a_learner_of_r_ranks_steps_r_batches_so_a_round_is_r_times_the_tokens():
+    """A round is M windows of H steps whatever a learner's group size: a group's window is
+    one learner's window of work, and counted as R of them its merge would step R times too far."""
+    one, two = RunConfig(learners=4), RunConfig(learners=4)
+    two.learner.ranks = 2
+    assert two.round_tokens() == 2 * one.round_tokens()
+
+
+def test_ranks_per_learner_is_a_run_flag_from_1_to_16():
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    assert run_config_from_args(parser.parse_args([])).learner.ranks == 1
+    assert run_config_from_args(parser.parse_args(["--ranks-per-learner", "4"])).learner.ranks == 4
+    for bad in ("0", "17"):
+        with pytest.raises(SystemExit, match="--ranks-per-learner must be 1 to 16 processes"):
+            run_config_from_args(parser.parse_args(["--ranks-per-learner", bad]))
+
+
 @pytest.fixture(scope="module")
 def corpus():
     return load_corpus(DataConfig(max_bytes=400_000), num_shards=3)

@@ -132,22 +132,25 @@ def test_compose_starts_one_outer_replica_per_outer_shard(shards):
 
 
 def test_compose_passes_a_learners_ranks_and_the_workload_through_from_the_shell():
-    """`DDILOCO_NPROC_PER_LEARNER=2 DDILOCO_WORKLOAD=... docker compose up` runs each learner
+    """`DDILOCO_RANKS_PER_LEARNER=2 DDILOCO_WORKLOAD=... docker compose up` runs each learner
     as a group of 2 ranks and the run on the user's workload: Compose hands the variables to
-    the services that read them (the learners, the coordinator that plans the run); unset,
-    they stay out of the containers and the commands' defaults hold."""
+    the coordinator that plans the run (the learners follow its configuration; a learner's own
+    DDILOCO_NPROC_PER_LEARNER still reaches it); unset, they stay out of the containers and
+    the commands' defaults hold."""
     compose_plugin()
     from ddiloco.common.cliargs import env_name
 
     assert env_name("--nproc-per-learner", "DDILOCO_") == "DDILOCO_NPROC_PER_LEARNER"
+    assert env_name("--ranks-per-learner", "DDILOCO_") == "DDILOCO_RANKS_PER_LEARNER"
     assert env_name("--workload-arg", "DDILOCO_") == "DDILOCO_WORKLOAD_ARG"
-    shell = {"DDILOCO_NPROC_PER_LEARNER": "2", "DDILOCO_WORKLOAD": "examples.mlp_regression:workload",
+    shell = {"DDILOCO_RANKS_PER_LEARNER": "2", "DDILOCO_NPROC_PER_LEARNER": "3", "DDILOCO_WORKLOAD": "examples.mlp_regression:workload",
              "DDILOCO_WORKLOAD_ARG": "width=32 'note=two words'", "COMPOSE_PROFILES": None}
     for profile in ("lan", "wan-mixed"):
         rendered = json.loads(run("docker", "compose", "-f", str(COMPOSE_FILE), "--profile", profile, "config", "--format",
                                   "json", env=shell).stdout)["services"]
-        assert env_of(rendered[learner_service(profile)])["DDILOCO_NPROC_PER_LEARNER"] == "2"
+        assert env_of(rendered[learner_service(profile)])["DDILOCO_NPROC_PER_LEARNER"] == "3"
         coordinator = env_of(rendered["coordinator"])
+        assert coordinator["DDILOCO_RANKS_PER_LEARNER"] == "2"
         assert coordinator["DDILOCO_WORKLOAD"] == "examples.mlp_regression:workload"
         assert coordinator["DDILOCO_WORKLOAD_ARG"] == "width=32 'note=two words'"
     unset = {key: None for key in shell}
@@ -155,6 +158,7 @@ def test_compose_passes_a_learners_ranks_and_the_workload_through_from_the_shell
                               env=unset).stdout)["services"]
     assert env_of(rendered["learner"]).get("DDILOCO_NPROC_PER_LEARNER") in (None, "")
     assert env_of(rendered["coordinator"]).get("DDILOCO_WORKLOAD") in (None, "")
+    assert env_of(rendered["coordinator"]).get("DDILOCO_RANKS_PER_LEARNER") in (None, "")
 
 
 def test_stack_config_resolves(engine):

@@ -36,11 +36,12 @@ def test_two_learners_of_two_ranks_train_through_ddiloco_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert [lr["ranks"] for lr in report["learners"]] == [2, 2]
-    # a group step takes two batches: half the steps of one-process learners for the tokens.
-    # The group must learn (the eval loss falls clearly); how far it gets in 80k tokens
-    # depends on how many merges the 2-core machine fits in (measured 0.45-0.85 of the
-    # start), so a ratio tighter than 0.9 tested the machine, not the group.
-    assert report["final_eval_loss"] < 0.9 * report["initial_eval_loss"], report
+    # a group step takes two batches: half the steps of one-process learners for the tokens,
+    # and a window of the group is one learner's window of work (the run's step weight is
+    # two batches): it merges at the gain of one window, not two. When the work clock counted
+    # it as two, the merges stepped twice as far and the model oscillated (0.24-1.02 of the
+    # start at the end, once above it); counted right, 0.03-0.11 in four runs.
+    assert report["final_eval_loss"] < 0.5 * report["initial_eval_loss"], report
     for lr in report["learners"]:
         assert lr["deltas_merged"] > 0
         assert lr["tokens"] % 64 == 0  # a group step: 2 ranks x 32 samples
@@ -69,8 +70,9 @@ def events(out: pathlib.Path, kind: str) -> list[dict]:
 
 
 def test_a_rank_that_dies_takes_its_learner_down_and_the_restart_resumes(cluster_factory):
-    cluster = cluster_factory(["--workload", MLP, "--inner-steps", "10", "--max-tokens", "10000000"], max_seconds=300)
-    group = ["--device", "cpu", "--nproc-per-learner", "2", "--slowdown", "3"]
+    cluster = cluster_factory(["--workload", MLP, "--inner-steps", "10", "--max-tokens", "10000000", "--ranks-per-learner", "2"],
+                              max_seconds=300)
+    group = ["--device", "cpu", "--slowdown", "3"]  # the group's size is the run's
     victim = cluster.start_learner(0, group)
     cluster.start_learner(1, group)
     wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0], 180, "learner 0's first ack")

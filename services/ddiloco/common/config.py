@@ -97,6 +97,12 @@ class LearnerConfig:
     # else. At 64 the learners of the M=8 chaos bench trained ~20 windows apart through an
     # outer restart, and the model made no progress for 1.9M tokens after it (docs/chaos.md).
     max_coalesce_windows: int = 4
+    # R: processes of each learner's torch.distributed group (data-parallel inside its
+    # datacenter, ddiloco.learner.group). One inner step of a learner consumes R batches, so
+    # the run's step weight (the work clock's round, the admission bounds) is R batches: a
+    # group's window is one learner's window of work, not R of them, and its merge steps at
+    # the gain of one.
+    ranks: int = 1
 
 
 @dataclass
@@ -180,7 +186,7 @@ class RunConfig:
         """Tokens of learner work in one synchronous DiLoCo round of the built-in workload:
         M learners x H steps x batch x context (the services ask the run's workload instead:
         ``Workload.round_tokens``; the benches of the built-in model use this)."""
-        per_step = self.learner.batch_size * self.model.context
+        per_step = self.learner.ranks * self.learner.batch_size * self.model.context
         return self.learners * self.learner.inner_steps * per_step
 
     def merge_quorum(self) -> int:

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ddiloco.common.config import RunConfig
 
+MAX_RANKS_PER_LEARNER = 16  # a learner's group on one host; 16 x the step weight is admission's ceiling
 MAX_LEARNERS = 1_000_000  # learner ids live in [0, 2M) (coordinator); shards are one per learner
 MAX_FRAGMENTS = 1024
 
@@ -64,6 +65,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learner.chunk_bytes", None, _between(1024, 64 << 20), "from 1 KiB to 64 MiB"),
     ("learner.pull_poll_s", None, _pos, "a positive number of seconds"),
     ("learner.max_coalesce_windows", "--max-coalesce-windows", _between(1, 1024), "1 to 1024"),
+    ("learner.ranks", "--ranks-per-learner", _between(1, MAX_RANKS_PER_LEARNER), f"1 to {MAX_RANKS_PER_LEARNER} processes"),
     ("outer.lr", "--outer-lr", _pos, "a positive, finite learning rate"),
     ("outer.momentum", "--outer-momentum", _between(0, 1, hi_open=True), "a fraction in [0, 1)"),
     ("outer.quorum", "--quorum", _between(0, MAX_LEARNERS), "0 (= half the learners, rounded up) or a number of learners"),

@@ -37,6 +37,8 @@ _FLAGS: list[tuple[str, str, type, str]] = [
     ("--merge-rule", "outer.merge_rule", str, "weighted | mean | rda"),
     ("--overlap-steps", "outer.overlap_steps", int, "tau: steps a learner computes while a fragment is in flight"),
     ("--max-staleness", "outer.max_staleness_rounds", float, "refuse deltas more than this many rounds stale"),
+    ("--ranks-per-learner", "learner.ranks", int, "R: each learner a torch.distributed group of R processes on its host, "
+     "data-parallel; one inner step weighs R batches"),
     ("--max-coalesce-windows", "learner.max_coalesce_windows", int, "windows summed into one delta at most before a learner waits for its uploads"),
     ("--checkpoint-every", "outer.checkpoint_every", int, "merges between checkpoints"),
     ("--eval-interval", "outer.eval_interval_s", float, "seconds between evaluations of the global model"),

@@ -138,7 +138,7 @@ class Membership:
                 try:
                     workload = load(self.config)
                     signature = model_signature(self.config, workload)
-                    self._bounds = Bounds.for_run(self.config, workload.reference_weight())
+                    self._bounds = Bounds.for_run(self.config, workload.step_weight())
                 except WorkloadError as exc:
                     raise FailedPrecondition(str(exc)) from None
                 except Exception as exc:  # the workload's own code failed
@@ -219,7 +219,7 @@ class Membership:
                 rec.instance_token = token
             rec.address = req.address
             rec.datacenter = req.datacenter
-            rec.ranks = max(1, req.ranks)
+            rec.ranks = req.ranks or self.config.learner.ranks  # 0: the run's
             rec.left = False
             rec.last_heartbeat = self.clock()
             self.dead_announced.discard(learner_id)

@@ -68,14 +68,14 @@ class Bounds:
 
     @classmethod
     def for_run(cls, config: RunConfig, step_weight: int | None = None) -> "Bounds":
-        """``step_weight``: the run's workload's ``reference_weight()`` (None: loaded here)."""
+        """``step_weight``: the run's workload's ``step_weight()`` (None: loaded here)."""
         lifetime = config.max_seconds + config.drain_timeout_s + LIFETIME_SLACK_S
         if not math.isfinite(lifetime) or lifetime <= 0:
             lifetime = 365 * 86400.0  # no time budget: a year
         if step_weight is None:
             from ddiloco.workloads import load
 
-            step_weight = load(config).reference_weight()
+            step_weight = load(config).step_weight()
         return cls(lifetime, BATCH_MULTIPLE * step_weight)
 
     def rate(self, name: str) -> float:

@@ -28,10 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="no live progress line")
     parser.add_argument(
-        "--ranks-per-learner", type=int, default=1, metavar="R",
-        help="each learner a torch.distributed group of R processes, data-parallel on this host (gloo on CPU, NCCL on GPU)",
-    )
-    parser.add_argument(
         "--resume", type=pathlib.Path, default=None, metavar="RUN",
         help="continue the stopped run in this folder from its last checkpoint, each learner at its data position; "
         "run flags may only extend the budget (--max-seconds, --max-tokens are totals)",
@@ -65,8 +61,6 @@ def _topology_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ddiloco.learner.cli import MAX_RANKS
-
     from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
     from ddiloco.launcher.topology import TopologyOptions
 
@@ -129,9 +123,6 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ddiloco run: error: {exc}", file=sys.stderr)
         return 2
-    if not 1 <= args.ranks_per_learner <= MAX_RANKS:
-        print(f"ddiloco run: error: --ranks-per-learner must be 1 to {MAX_RANKS}, got {args.ranks_per_learner}", file=sys.stderr)
-        return 2
     options = LaunchOptions(
         out=out,
         run_flags=forward_run_flags(args),
@@ -140,8 +131,6 @@ def main(args: argparse.Namespace) -> int:
         device=args.device,
         slowdown=slow,
         step_seconds=args.step_seconds,
-        learner_flags={i: ["--nproc-per-learner", str(args.ranks_per_learner)] for i in range(learners)}
-        if args.ranks_per_learner > 1 else {},
         progress=not args.quiet,
         resume=args.resume is not None,
         monitoring=not args.no_monitoring,

@@ -10,13 +10,14 @@ import signal
 import sys
 
 from ddiloco.common import pacing
+from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
 from ddiloco.common.security import add_security_arguments, security_from_args
 
 
 # A group step weighs its R batches; the outer optimizer admits at most 16 x the run's step
 # weight per step (outer/admission.py), so more ranks than that would have every delta refused.
-MAX_RANKS = 16
+MAX_RANKS = MAX_RANKS_PER_LEARNER
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (of each rank)")
     parser.add_argument(
-        "--nproc-per-learner", type=int, default=1, metavar="R",
+        "--nproc-per-learner", type=int, default=0, metavar="R",
         help=f"run this learner as a torch.distributed group of R processes on this host (1 to {MAX_RANKS}; "
-        "rank 0, this process, alone speaks gRPC)",
+        "rank 0, this process, alone speaks gRPC; default 0: the run's --ranks-per-learner). A group of another "
+        "size than the run's does that many batches' work per step, as a learner with its own --batch-size does",
     )
     parser.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port of the bind host (default 0: off)")
     parser.add_argument("--log-level", default="INFO")
@@ -48,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not 1 <= args.nproc_per_learner <= MAX_RANKS:
-        print(f"ddiloco learner: error: --nproc-per-learner must be 1 to {MAX_RANKS}, got {args.nproc_per_learner}",
+    if not 0 <= args.nproc_per_learner <= MAX_RANKS:
+        print(f"ddiloco learner: error: --nproc-per-learner must be 0 (the run's) or 1 to {MAX_RANKS}, got {args.nproc_per_learner}",
               file=sys.stderr)
         return 2
     try:

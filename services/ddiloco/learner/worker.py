@@ -85,7 +85,7 @@ class LearnerOptions:
     step_seconds: float = 0.0  # > 0 emulates dedicated hardware: each step takes at least this long (common/pacing.py)
     batch_size: int = 0  # 0: the run's; another value emulates a learner of different size
     inner_steps: int = 0  # 0: the run's H
-    ranks: int = 1  # processes of this learner's torch.distributed group (ddiloco.learner.group)
+    ranks: int = 0  # processes of this learner's torch.distributed group (ddiloco.learner.group); 0: the run's
     threads: int = 1  # torch CPU threads of each of the group's other ranks
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     security: Security = field(default_factory=Security.insecure)
@@ -117,6 +117,7 @@ class Learner:
         self.drain = threading.Event()
         self.stop_event = threading.Event()
         self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
+        self.ranks = options.ranks or 1  # the run's once registered (options.ranks 0)
         self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
         self.outer_address = ""  # the outer shards' addresses, comma-separated when several
@@ -202,6 +203,7 @@ class Learner:
         self.learner_id = resp.learner_id
         self.shard_index = resp.shard_index
         self.config = RunConfig.from_json(resp.config_json)
+        self.ranks = self.options.ranks or self.config.learner.ranks
         self.heartbeat_s = resp.heartbeat_ms / 1000
         self._set_outer(list(resp.outer_shards) or [resp.outer_address])
 
@@ -335,15 +337,15 @@ class Learner:
         shard = (self.shard_index, cfg.learners, cfg.data.seed)
         self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
         # a group of R ranks reads R consecutive batches per step, this process the first
-        self.batches = strided(workload.train_batches(*shard, self.batch_index), self.options.ranks)
+        self.batches = strided(workload.train_batches(*shard, self.batch_index), self.ranks)
         last_seqs = [next((r.last_seq for r in st.learners if r.learner_id == self.learner_id), 0) for st in statuses]
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
         for f, copy in enumerate(copies):
             self._fold(f, copy)
-        if self.options.ranks > 1:
-            self.group = Group(self.options.ranks, self.device, self.options.threads)
+        if self.ranks > 1:
+            self.group = Group(self.ranks, self.device, self.options.threads)
             setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
                      "batch_size": self.options.batch_size}
             self.group.share_setup(setup, self.params, self.fragments)

@@ -14,7 +14,7 @@ Bounds and why
   ``learner/uploader.py``).
 * ``tokens``: the summed ``batch_weight`` of the delta's batches, at least 1 per step and at
   most ``MAX_BATCH_FACTOR x`` the run's step weight per step (the workload's
-  ``reference_weight``: ``batch x context`` for the built-in model). Batches of a workload
+  ``step_weight``: R ranks x ``batch x context`` for the built-in model). Batches of a workload
   may weigh differently (sequences of several lengths), so the sum is not checked against
   one batch size. Learners may run another batch size than the run's (a bigger site, or an
   emulated one), but a batch 16x the run's is no longer the same recipe; more would let one
@@ -55,7 +55,7 @@ MAX_SEQ_JUMP = 1024
 
 def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float, step_weight: int) -> None:
     """Refuse a header whose work figures no learner of this run could produce;
-    ``step_weight``: the run's workload's ``reference_weight()``."""
+    ``step_weight``: the run's workload's ``step_weight()``."""
     h = config.learner.inner_steps
     max_steps = config.learner.max_coalesce_windows * h
     if not 1 <= inner_steps <= max_steps:

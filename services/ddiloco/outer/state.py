@@ -173,7 +173,7 @@ class OuterState:
         """
         cfg = self.config
         admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
-        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.reference_weight())
+        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight())
         frag = self.fragment(header.fragment)  # one this shard owns
         with self._learner_lock(header.learner_id):
             with self.lock:

@@ -108,9 +108,14 @@ class Workload:
             self._reference_weight = self.batch_weight(batch)
         return self._reference_weight
 
+    def step_weight(self) -> int:
+        """The run's nominal weight of one learner's inner step: a learner of R ranks
+        (``learner.ranks``) consumes R batches per step."""
+        return self.run.learner.ranks * self.reference_weight()
+
     def round_tokens(self) -> int:
         """Tokens of one synchronous DiLoCo round: M learners x H steps x the step weight."""
-        return self.run.learners * self.run.learner.inner_steps * self.reference_weight()
+        return self.run.learners * self.run.learner.inner_steps * self.step_weight()
 
     def eval_batches(self) -> list[Any]:
         batches = self.impl.eval_batches()
