@@ -16,6 +16,10 @@ learners) and the eval curve all along, two seeds each:
     ddiloco-int8-fullgain  ddiloco-int8 with --full-gain-rounds 1.5: merges of phase-aligned
                        windows all at the full Nesterov gain (only when named); the two
                        side by side compare the merge rules (docs/algorithm.md)
+    ddiloco-int8-noalign   ddiloco-int8 with --no-align-windows: every window exactly H
+                       steps (only when named); beside ddiloco-int8 it separates what the
+                       lengthened windows of phase alignment cost from what the overlap
+                       (learners training on while a merge is in flight) costs
 
 A seed sets the initial model (RunConfig.seed) and the order the shards are read in
 (DataConfig.seed = 1234 + seed); the split of the corpus is the same for every seed.
@@ -59,9 +63,10 @@ import common_bench as cb  # noqa: E402  (also puts services/ on sys.path)
 
 ROOT = cb.ROOT
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int8-slow", "ddiloco-int4", "ddiloco-fp32",
-           "ddiloco-int8-unitgain", "ddiloco-int8-fullgain"]  # also the run order
-DEFAULT_METHODS = METHODS[:5]  # the last three are diagnostics, run only when asked for
-RULE_METHODS = ("ddiloco-int8-unitgain", "ddiloco-int8-fullgain")  # one merge rule each, named explicitly
+           "ddiloco-int8-unitgain", "ddiloco-int8-fullgain", "ddiloco-int8-noalign"]  # also the run order
+DEFAULT_METHODS = METHODS[:5]  # the others are diagnostics, run only when asked for
+# ddiloco-int8 with one setting changed, named explicitly: a merge rule each, or no phase alignment
+RULE_METHODS = ("ddiloco-int8-unitgain", "ddiloco-int8-fullgain", "ddiloco-int8-noalign")
 EXTRA_METHODS = ("ddiloco-int4", "ddiloco-int8-slow")  # run at --extras-at only
 SLOW_FACTOR = 3.0
 ROW_KEYS = ["method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
@@ -80,6 +85,7 @@ def method_flags(method: str, m: int) -> list[str]:
         "ddiloco-fp32": ["--codec", "fp32"],
         "ddiloco-int8-unitgain": ["--codec", "int8", "--full-gain-rounds", "1"],
         "ddiloco-int8-fullgain": ["--codec", "int8", "--full-gain-rounds", "1.5"],
+        "ddiloco-int8-noalign": ["--codec", "int8", "--no-align-windows"],
     }.get(method, [])
 
 
@@ -250,7 +256,7 @@ def targets(rows: list[dict], budget: int) -> list[dict]:
                 LIMITS["int8_vs_sync"], kind="diagnostic")
             add(f"(diagnostic) ddiloco-fp32 vs diloco-sync (mean over the last {TAIL:.0%})", m,
                 tail_gap(rows, m, budget, method="ddiloco-fp32"), LIMITS["int8_vs_sync"], kind="diagnostic")
-        for rule in RULE_METHODS:  # a merge rule named explicitly, beside the defaults' run
+        for rule in RULE_METHODS:  # one setting changed, named explicitly, beside the defaults' run
             if not _rows(rows, rule, m):
                 continue
             add(f"(diagnostic) {rule} vs diloco-sync (final)", m, cb.rel(fin(rule), fin("diloco-sync")),

@@ -117,6 +117,27 @@ def test_a_merge_rule_named_explicitly_is_compared_beside_the_defaults_and_judge
     assert not any(t.startswith("(diagnostic) ddiloco-int8-fullgain") for t in by)  # not run: not reported
 
 
+def test_windows_without_phase_alignment_are_a_diagnostic_beside_the_defaults():
+    q = _load_bench()
+    assert q.method_flags("ddiloco-int8-noalign", 4) == ["--codec", "int8", "--no-align-windows"]
+    assert "ddiloco-int8-noalign" not in q.DEFAULT_METHODS
+    rows = [
+        _row("diloco-sync", 4, 0, 2.00, [[0, 5.0], [1000, 2.00]]),
+        _row("ddiloco-int8", 4, 0, 2.02, [[0, 5.0], [1000, 2.02]]),
+        _row("ddiloco-int8-noalign", 4, 0, 2.01, [[0, 5.0], [1000, 2.01]]),
+    ]
+    by = {t["target"]: t for t in q.targets(rows, 1000)}
+    assert by["(diagnostic) ddiloco-int8-noalign vs diloco-sync (final)"]["value"] == pytest.approx(0.005)
+    assert by["(diagnostic) ddiloco-int8 vs ddiloco-int8-noalign (final)"]["met"] is None
+    # the flag the bench passes is one ddiloco run accepts
+    from ddiloco.common.runflags import add_run_flags, run_config_from_args
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    assert run_config_from_args(parser.parse_args(q.method_flags("ddiloco-int8-noalign", 4))).learner.align_windows is False
+
+
 def test_plan_runs_extras_only_at_their_m():
     q = _load_bench()
     args = q.parse_args(["--learners", "4,8", "--seeds", "0,1"])
