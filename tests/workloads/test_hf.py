@@ -27,8 +27,10 @@ def hf(args: dict | None = None, **kw):
     return cfg
 
 
-@pytest.mark.skipif(HAVE, reason="transformers is installed")
-def test_without_transformers_the_workload_says_how_to_install_it():
+def test_without_transformers_the_workload_says_how_to_install_it(monkeypatch):
+    # where transformers is installed, this process is made to lack it: a None entry in
+    # sys.modules makes `import transformers` raise ImportError, as a missing package does
+    monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(WorkloadError, match=r"transformers is not installed \(pip install -e '\.\[hf\]'\)"):
         load(hf())
 
