@@ -8,6 +8,8 @@ one the services take now (``ddiloco.workloads``). Every comparison is bit for b
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ddiloco.common.config import MODEL_PRESETS, RunConfig
@@ -108,11 +110,11 @@ def test_step_weight_round_resumption_and_plain_averaged_tensors_are_the_former_
     assert wl.reference_weight() == wl.step_weight() == per_step
     assert wl.round_tokens() == cfg.round_tokens()
     # a learner of 2 ranks: a batch weighs the same, a step and a round twice as much
-    cfg.learner.ranks = 2
-    wl = load(cfg)
-    assert (wl.reference_weight(), wl.step_weight()) == (per_step, 2 * per_step)
-    assert wl.round_tokens() == cfg.round_tokens() == 2 * cfg.learners * cfg.learner.inner_steps * per_step
-    cfg.learner.ranks = 1
+    groups = copy.deepcopy(cfg)
+    groups.learner.ranks = 2
+    wl2 = load(groups)
+    assert (wl2.reference_weight(), wl2.step_weight()) == (per_step, 2 * per_step)
+    assert wl2.round_tokens() == groups.round_tokens() == 2 * cfg.learners * cfg.learner.inner_steps * per_step
     # the former resumption: batch = tokens accepted // tokens per step
     for tokens in (0, per_step, 5 * per_step, 5 * per_step + per_step // 2):
         assert wl.batches_before(0, cfg.learners, cfg.data.seed, tokens) == tokens // per_step

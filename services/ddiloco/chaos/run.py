@@ -73,7 +73,6 @@ def run_with_chaos(
             for i in range(options.learners):
                 extra = ["--device", options.device, "--learner-id", str(i)]
                 extra += pacing_flags(options, i)
-                extra += options.learner_flags.get(i, [])
                 cluster.start_learner(i, extra)
             controller.start()
             if injector is not None:

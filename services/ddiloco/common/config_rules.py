@@ -13,7 +13,10 @@ from typing import Callable
 
 from ddiloco.common.config import RunConfig
 
-MAX_RANKS_PER_LEARNER = 16  # a learner's group on one host; 16 x the step weight is admission's ceiling
+# A learner's group on one host. A group step weighs its R batches and the outer optimizer
+# admits at most 16 x the run's step weight per step (outer/admission.py), so a learner of
+# more ranks than that (in a run of one) would have every delta refused.
+MAX_RANKS_PER_LEARNER = 16
 MAX_LEARNERS = 1_000_000  # learner ids live in [0, 2M) (coordinator); shards are one per learner
 MAX_FRAGMENTS = 1024
 

@@ -24,7 +24,6 @@ class LaunchOptions:
     device: str = "auto"
     slowdown: dict[int, float] = field(default_factory=dict)
     step_seconds: float = 0.0  # every learner's step at least this long (dedicated hardware; common/pacing.py)
-    learner_flags: dict[int, list[str]] = field(default_factory=dict)
     progress: bool = True
     resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
     timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
@@ -80,7 +79,6 @@ def launch(options: LaunchOptions) -> LaunchResult:
             for i in range(options.learners):
                 extra = ["--device", options.device]
                 extra += pacing_flags(options, i)
-                extra += options.learner_flags.get(i, [])
                 extra += _http(endpoints, f"learner-{i}", cluster.site_of(i).host, options, learner=i)
                 cluster.start_learner(i, extra)
             endpoints.write()

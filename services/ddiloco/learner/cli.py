@@ -15,11 +15,6 @@ from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setu
 from ddiloco.common.security import add_security_arguments, security_from_args
 
 
-# A group step weighs its R batches; the outer optimizer admits at most 16 x the run's step
-# weight per step (outer/admission.py), so more ranks than that would have every delta refused.
-MAX_RANKS = MAX_RANKS_PER_LEARNER
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coordinator", default="127.0.0.1:50051", help="coordinator HOST:PORT")
     parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT of this learner's status/health endpoint")
@@ -39,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (of each rank)")
     parser.add_argument(
         "--nproc-per-learner", type=int, default=0, metavar="R",
-        help=f"run this learner as a torch.distributed group of R processes on this host (1 to {MAX_RANKS}; "
+        help=f"run this learner as a torch.distributed group of R processes on this host (1 to {MAX_RANKS_PER_LEARNER}; "
         "rank 0, this process, alone speaks gRPC; default 0: the run's --ranks-per-learner). A group of another "
         "size than the run's does that many batches' work per step, as a learner with its own --batch-size does",
     )
@@ -50,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not 0 <= args.nproc_per_learner <= MAX_RANKS:
-        print(f"ddiloco learner: error: --nproc-per-learner must be 0 (the run's) or 1 to {MAX_RANKS}, got {args.nproc_per_learner}",
+    if not 0 <= args.nproc_per_learner <= MAX_RANKS_PER_LEARNER:
+        print(f"ddiloco learner: error: --nproc-per-learner must be 0 (the run's) or 1 to {MAX_RANKS_PER_LEARNER}, got {args.nproc_per_learner}",
               file=sys.stderr)
         return 2
     try:
