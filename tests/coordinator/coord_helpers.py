@@ -22,7 +22,7 @@ def run_signature(stub) -> coordinator_pb2.ModelSignature:
     return _SIGNATURES[cfg_json]
 
 
-def register(stub, requested=-1, run_id="", token=None, model=None):
+def register(stub, requested=-1, run_id="", token=None, model=None, ranks=0):
     """Register as a learner process would; ``token`` None: a new process each call."""
     req = coordinator_pb2.RegisterRequest(
         address="x:1",
@@ -30,6 +30,7 @@ def register(stub, requested=-1, run_id="", token=None, model=None):
         run_id=run_id,
         instance_token=token if token is not None else secrets.token_hex(8),
         model=model if model is not None else run_signature(stub),
+        ranks=ranks,
     )
     return stub.Register(req, timeout=10)
 

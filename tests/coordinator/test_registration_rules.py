@@ -10,6 +10,7 @@ import grpc
 import pytest
 from coord_helpers import announce_outer, coordinator, membership, register, run_signature, snapshot  # noqa: F401
 
+from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
 from ddiloco.coordinator.signature import signature_of
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
@@ -38,6 +39,16 @@ def test_ids_outside_the_runs_id_space_are_refused(stub, requested):
     before = snapshot(stub)
     refused(lambda: register(stub, requested=requested), grpc.StatusCode.INVALID_ARGUMENT, f"[0, {2 * M})")
     assert snapshot(stub) == before
+
+
+@pytest.mark.parametrize("ranks", [MAX_RANKS_PER_LEARNER + 1, 1024, 2**31 - 1, -1])
+def test_a_group_larger_than_the_run_allows_is_refused(stub, ranks):
+    """The same bound as --ranks-per-learner: a group whose every delta admission would
+    refuse (each step weighs R batches) is turned away at the door instead."""
+    before = snapshot(stub)
+    refused(lambda: register(stub, ranks=ranks), grpc.StatusCode.INVALID_ARGUMENT, f"1 to {MAX_RANKS_PER_LEARNER}")
+    assert snapshot(stub) == before
+    assert register(stub, ranks=MAX_RANKS_PER_LEARNER).learner_id >= 0  # the largest allowed group is welcome
 
 
 def test_the_membership_is_bounded_by_the_id_space(stub):

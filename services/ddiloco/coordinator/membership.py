@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
+from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
 from ddiloco.common.durable import write_json
 from ddiloco.common.errors import (
     AlreadyExists,
@@ -58,7 +59,6 @@ STATE_NAMES = {
     coordinator_pb2.RUN_STATE_FINISHED: "finished",
 }
 MAX_TOKEN_CHARS = 128
-MAX_RANKS = 1024  # processes of one learner's group: a datacenter, not more
 
 
 def max_learner_ids(config: RunConfig) -> int:
@@ -182,8 +182,11 @@ class Membership:
         token = req.instance_token
         if not token or len(token) > MAX_TOKEN_CHARS:
             raise InvalidArgument(f"instance_token must be 1 to {MAX_TOKEN_CHARS} characters (a random token per process)")
-        if not 0 <= req.ranks <= MAX_RANKS:
-            raise InvalidArgument(f"ranks must be 0 to {MAX_RANKS} (the processes of the learner's group), got {req.ranks}")
+        if not 0 <= req.ranks <= MAX_RANKS_PER_LEARNER:
+            raise InvalidArgument(
+                f"ranks must be 0 (the run's) or 1 to {MAX_RANKS_PER_LEARNER} (the processes of the learner's group), "
+                f"got {req.ranks}"
+            )
         requested = req.requested_learner_id
         if not -1 <= requested < self.max_ids:
             raise InvalidArgument(
