@@ -199,25 +199,29 @@ def mean(xs) -> float | None:
 
 # ----------------------------------------------------------------------------- running
 def run_ddiloco(run_dir: pathlib.Path, flags: list[str], learners: int, device: str = "cpu",
-                slowdown: dict[int, float] | None = None, timeout_s: float = 4 * 3600.0, insecure: bool = False) -> dict:
+                slowdown: dict[int, float] | None = None, timeout_s: float = 4 * 3600.0, insecure: bool = False,
+                step_seconds: float = 0.0) -> dict:
     """``ddiloco run`` with ``flags`` through the launcher; its report (raises on failure).
-    Mutual TLS is on, as in any run, unless ``insecure``."""
+    Mutual TLS is on, as in any run, unless ``insecure``. ``step_seconds`` > 0 emulates
+    dedicated hardware (every learner step at least that long; common/pacing.py)."""
     from ddiloco.launcher.run import LaunchOptions, launch
 
     result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device=device,
                                   slowdown=slowdown or {}, progress=False, monitoring=False,
-                                  timeout_s=timeout_s, insecure=insecure))
+                                  timeout_s=timeout_s, insecure=insecure, step_seconds=step_seconds))
     if not result.ok:
         raise RuntimeError(f"ddiloco run in {run_dir} failed: {result.failures or 'no report'}; see {run_dir}/logs")
     return result.report
 
 
 def run_dp(run_dir: pathlib.Path, flags: list[str], world_size: int, device: str = "cpu",
-           timeout_s: float = 4 * 3600.0) -> dict:
-    """``ddiloco dp`` with ``world_size`` ranks; rank 0's report."""
+           timeout_s: float = 4 * 3600.0, step_seconds: float = 0.0) -> dict:
+    """``ddiloco dp`` with ``world_size`` ranks; rank 0's report. ``step_seconds`` as in
+    ``run_ddiloco`` (every rank's step compute at least that long)."""
     from ddiloco.baselines.launch import launch_dp
 
-    return launch_dp(run_dir, world_size, flags, extra_flags=["--device", device], timeout_s=timeout_s)
+    extra = ["--device", device] + (["--step-seconds", str(step_seconds)] if step_seconds > 0 else [])
+    return launch_dp(run_dir, world_size, flags, extra_flags=extra, timeout_s=timeout_s)
 
 
 def base_run_config(learners: int, inner_steps: int, batch_size: int, data_bytes: int = 4_000_000,

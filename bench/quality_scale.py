@@ -34,6 +34,8 @@ theirs.
 
     python bench/quality_scale.py                       # everything: run it alone on the machine
     python bench/quality_scale.py --learners 8 --seeds 0 --methods diloco-sync,ddiloco-int8
+    python bench/quality_scale.py --learners 4 --methods diloco-sync,ddiloco-int8 --step-seconds 0.05
+                                                        # emulated dedicated hardware (regular step times)
     python bench/quality_scale.py --quick               # smoke test: M=2, one seed, tens of thousands of tokens
     python bench/quality_scale.py --summarize bench/results/quality_scale_m4_m16.json   # targets of a result, no run
 
@@ -101,14 +103,15 @@ def learner_rates(report: dict, events: list[dict]) -> dict[str, dict]:
 
 
 def run_one(method: str, m: int, seed: int, budget: int, cfg_path: pathlib.Path, run_dir: pathlib.Path,
-            device: str) -> dict:
+            device: str, step_seconds: float = 0.0) -> dict:
     flags = ["--config", str(cfg_path), "--max-tokens", str(budget)]
     t0 = time.monotonic()
     if method == "dp":
-        report = cb.run_dp(run_dir, flags, m, device)
+        report = cb.run_dp(run_dir, flags, m, device, step_seconds=step_seconds)
     else:
         slow = {m - 1: SLOW_FACTOR} if method == "ddiloco-int8-slow" else {}
-        report = cb.run_ddiloco(run_dir, flags + method_flags(method, m), m, device, slowdown=slow)
+        report = cb.run_ddiloco(run_dir, flags + method_flags(method, m), m, device, slowdown=slow,
+                                step_seconds=step_seconds)
     events = cb.read_events(run_dir)
     curve = cb.eval_curve(events)
     final_tokens = report.get("tokens_merged") or report["tokens_trained"]
@@ -355,6 +358,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="B (default 8; quick 4)")
     p.add_argument("--eval-interval", type=float, default=None, help="seconds between evaluations (default 5; quick 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--step-seconds", type=float, default=0.0, metavar="T",
+                   help="emulated dedicated hardware: every learner's (and dp rank's) step takes at least T s, so "
+                        "that step times are regular instead of set by M processes sharing the cores (default 0: off)")
     p.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     p.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     p.add_argument("--runs-dir", type=pathlib.Path, default=None, help="run folders (default: runs/quality_scale-<time>)")
@@ -375,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.eval_interval = args.eval_interval or (1.0 if q else 5.0)
     if any(m < 1 for m in args.learners) or not args.seeds:
         p.error("--learners must be positive and --seeds non-empty")
+    if not (0.0 <= args.step_seconds < 10.0):
+        p.error(f"--step-seconds must be in [0, 10), got {args.step_seconds}")
     return args
 
 
@@ -395,7 +403,9 @@ def summarize(path: pathlib.Path) -> int:
     rows, budget = doc["rows"], doc["config"]["tokens"]
     for r in rows:  # rows written before the swing was recorded
         r.setdefault("extra", {}).setdefault("eval_swing", eval_swing(r["curve"], budget))
-    print(f"{path} (git {doc['config'].get('git_rev', '?')[:9]}, {budget:,} tokens)\n")
+    step = doc['config'].get('step_seconds') or 0
+    paced = f", every step >= {step:g} s (emulated dedicated hardware)" if step else ""
+    print(f"{path} (git {doc['config'].get('git_rev', '?')[:9]}, {budget:,} tokens{paced})\n")
     print(results_table(rows) + "\n\n" + targets_table(targets(rows, budget)))
     return 0
 
@@ -431,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     for m, seed, method in runs_plan:
         print(f"[{time.monotonic() - t_start:7.0f}s] M={m} seed {seed} {method} ...", file=sys.stderr, flush=True)
-        row = run_one(method, m, seed, args.tokens, configs[(m, seed)][1], runs / f"M{m}-seed{seed}-{method}", args.device)
+        row = run_one(method, m, seed, args.tokens, configs[(m, seed)][1], runs / f"M{m}-seed{seed}-{method}", args.device,
+                      args.step_seconds)
         rows.append(row)
         print(f"          final eval loss {row['final_eval_loss']:.4f}, {row['tokens']:,} tokens, "
               f"{row['extra']['elapsed_seconds']:.0f}s", file=sys.stderr, flush=True)
@@ -455,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "diff_sha256": prov["diff_sha256"], "load_average_start": prov["load_average_start"],
             "load_average_end": prov["load_average_end"], "load_ok": prov["load_ok"],
             "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "device": args.device, "total_seconds": round(time.monotonic() - t_start, 1), "runs_dir": str(runs),
+            "device": args.device, "step_seconds": args.step_seconds, "total_seconds": round(time.monotonic() - t_start, 1), "runs_dir": str(runs),
         },
         "rows": rows,
         "targets": checks,

@@ -34,7 +34,7 @@ def quick_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality-scale")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "quality_scale.py"), "--quick", "--methods", "dp,ddiloco-int8",
-         "--results-dir", str(tmp / "results"), "--runs-dir", str(tmp / "runs")],
+         "--step-seconds", "0.01", "--results-dir", str(tmp / "results"), "--runs-dir", str(tmp / "runs")],
         capture_output=True, text=True, timeout=300,
     )
     return proc, tmp
@@ -48,6 +48,12 @@ def test_quick_run_writes_the_issue_schema(quick_run):
     assert set(doc) == {"config", "rows", "targets"}
     cfg = doc["config"]
     assert cfg["learners"] == [2] and cfg["seeds"] == [0]
+    # emulated dedicated hardware reaches every learner and every dp rank
+    assert cfg["step_seconds"] == 0.01
+    for method, kind in (("dp", "dp_start"), ("ddiloco-int8", "learner_start")):
+        events = [json.loads(x) for x in (tmp / "runs" / f"M2-seed0-{method}" / "metrics.jsonl").read_text().splitlines()]
+        starts = [e for e in events if e.get("event") == kind]
+        assert len(starts) == 2 and all(e["step_seconds"] == 0.01 for e in starts), starts
     assert_provenance(cfg)
     rows = doc["rows"]
     assert [(r["method"], r["learners"], r["seed"]) for r in rows] == [("dp", 2, 0), ("ddiloco-int8", 2, 0)]
