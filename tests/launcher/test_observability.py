@@ -50,7 +50,8 @@ def live_run(tmp_path_factory):
         yield out, services, log.name
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            # SIGTERM, not SIGINT: a suite started in the background inherits SIGINT ignored
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

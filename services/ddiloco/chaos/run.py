@@ -20,6 +20,7 @@ from ddiloco.chaos.faults import Schedule
 from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
 from ddiloco.chaos.partition import NetnsPartitioner
 from ddiloco.common.metrics import MetricsLog
+from ddiloco.launcher.interrupts import StopSignals
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.run import LaunchOptions, LaunchResult, pacing_flags, progress_line, run_tls
 from ddiloco.launcher.topology import make_topology
@@ -53,7 +54,9 @@ def run_with_chaos(
     topology = make_topology(options.topology, options.learners, options.out)
     notes: list[str] = []
     failures: dict[str, int] = {}
-    with topology:  # torn down however this block is left (after faults are undone)
+    # torn down however this block is left (after faults are undone); Ctrl-C, SIGTERM and
+    # SIGHUP stop the run in order (launcher/interrupts.py)
+    with StopSignals() as signals, topology:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         session = getattr(topology, "session", None)
         if partitioner is None and session is not None:
@@ -79,8 +82,9 @@ def run_with_chaos(
                 injector.start()
             failures = _supervise(cluster, backend, options, notes)
         except KeyboardInterrupt:
-            print("\ninterrupted: stopping services", file=sys.stderr)
+            print(f"\ninterrupted ({signals.received or 'a signal'}): stopping services", file=sys.stderr)
         finally:
+            signals.stopping()  # a second signal must not cut the orderly stop short
             stop.set()
             if injector is not None and injector.is_alive():
                 injector.join(timeout=30)

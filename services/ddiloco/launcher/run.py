@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ddiloco.common.config import RunConfig
 from ddiloco.launcher.endpoints import Endpoint, Endpoints, free_port
+from ddiloco.launcher.interrupts import StopSignals
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.progress import Budget, Progress, plain_line, read
 from ddiloco.launcher.topology import TopologyOptions, make_topology
@@ -63,9 +64,9 @@ def launch(options: LaunchOptions) -> LaunchResult:
     interrupted = False
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
-    # the topology is torn down on leaving this block, however it is left (netns: also on
-    # SIGTERM/SIGHUP, which it turns into KeyboardInterrupt while it is up)
-    with topology:
+    # the topology is torn down on leaving this block, however it is left; Ctrl-C, SIGTERM
+    # and SIGHUP become KeyboardInterrupt meanwhile (launcher/interrupts.py)
+    with StopSignals() as signals, topology:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         try:
             topology.start(options.out)
@@ -88,8 +89,9 @@ def launch(options: LaunchOptions) -> LaunchResult:
             cluster.wait_all(timeout=60)
         except KeyboardInterrupt:
             interrupted = True
-            print("\ninterrupted: stopping services", file=sys.stderr)
+            print(f"\ninterrupted ({signals.received or 'a signal'}): stopping services", file=sys.stderr)
         finally:
+            signals.stopping()  # a second signal must not cut the orderly stop short
             cluster.stop_all()
         report_path = options.out / "report.json"
         report = json.loads(report_path.read_text()) if report_path.exists() else None

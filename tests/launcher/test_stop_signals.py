@@ -1,0 +1,92 @@
+"""Stopping ``ddiloco run`` with SIGTERM (``kill``, systemd, a cancelled CI job) does what
+Ctrl-C does: the services, which run in sessions of their own, are stopped in order, the
+learners' last windows acknowledged, and nothing is left running. Before, the launcher died
+at once and every service it had started trained on alone. Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from support import TINY_RUN, wait_until
+
+from ddiloco.launcher.interrupts import StopSignals
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of live processes whose command line holds ``text`` (the run folder)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
+        except OSError:  # gone meanwhile
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(entry.name))
+    return found
+
+
+def events(run: pathlib.Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def test_sigterm_stops_every_service_in_order_and_leaves_nothing_running(tmp_path):
+    run = tmp_path / "run"
+    log = open(tmp_path / "launcher.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco", "run", "--learners", "2", "--max-seconds", "300", "--out", str(run),
+         "--quiet", "--device", "cpu", *TINY_RUN],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: proc.poll() is not None or any(e["event"] == "merge" for e in events(run)), 180,
+                   "the first merge")
+        assert proc.poll() is None, "the run ended by itself"
+        assert len(processes_naming(str(run))) >= 4  # coordinator, outer optimizer, two learners
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)  # learners' grace + the others' grace, with room
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    output = log.read()
+    assert code == 130, output[-3000:]
+    assert "interrupted (SIGTERM): stopping services" in output
+    assert f"ddiloco run --resume {run}" in output
+    assert processes_naming(str(run)) == [], "a service outlived the launcher"
+    # learners stopped first and their last windows were acknowledged
+    stops = {e["learner"]: e for e in events(run) if e["event"] == "learner_stop"}
+    assert sorted(stops) == [0, 1] and all(s["flushed"] for s in stops.values()), stops
+
+
+def test_a_signal_raises_keyboard_interrupt_until_the_stop_has_begun():
+    old = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as signals:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler as the call returns
+        signals.stopping()
+        os.kill(os.getpid(), signal.SIGHUP)  # ignored now: the orderly stop is not cut short
+    assert signals.received == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == old  # handlers restored
+
+
+def test_sigint_ignored_by_the_caller_stays_ignored():
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)
