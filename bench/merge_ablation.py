@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Why the merge is built the way it is: the same 4-learner job, at equal tokens, merged four ways.
+"""Why the merge is built the way it is: the same 4-learner job, at equal tokens, merged four ways
+(``--quick``: 2 learners, a smoke test of the machinery).
 
 * ``sync``: synchronous DiLoCo (every learner waits; the outer step sees all M deltas).
 * ``naive``: asynchronous, a full synchronous outer step per arrival (``--naive-merge``).
@@ -30,12 +31,20 @@ sys.path.insert(0, str(ROOT / "bench"))
 import common_bench as cb  # noqa: E402
 from ddiloco.launcher.run import LaunchOptions, launch  # noqa: E402
 
-VARIANTS = {
-    "sync": ["--sync", "--quorum", "4"],
-    "naive": ["--naive-merge"],
-    "staleness-gain-2": ["--staleness-gain", "2"],
-    "ddiloco": [],
-}
+LEARNERS = 4
+QUICK_LEARNERS = 2  # --quick checks that every variant runs end to end, not how they compare
+
+
+def variants(learners: int) -> dict[str, list[str]]:
+    return {
+        "sync": ["--sync", "--quorum", str(learners)],
+        "naive": ["--naive-merge"],
+        "staleness-gain-2": ["--staleness-gain", "2"],
+        "ddiloco": [],
+    }
+
+
+VARIANTS = variants(LEARNERS)
 
 
 def main() -> int:
@@ -47,17 +56,18 @@ def main() -> int:
     parser.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = parser.parse_args()
     prov = cb.start_provenance(args.allow_dirty or args.quick, "merge_ablation")
-    tokens, repeats = (60_000, 1) if args.quick else (args.tokens, args.repeats)
-    base = ["--model", "tiny", "--learners", "4", "--inner-steps", "10", "--batch-size", "8",
+    tokens, repeats = (30_000, 1) if args.quick else (args.tokens, args.repeats)
+    learners = QUICK_LEARNERS if args.quick else LEARNERS
+    base = ["--model", "tiny", "--learners", str(learners), "--inner-steps", "10", "--batch-size", "8",
             "--max-tokens", str(tokens), "--max-seconds", "1800", "--eval-interval", "3"]
     rows = []
     work = pathlib.Path(tempfile.mkdtemp(prefix="ddiloco-ablation-"))
     try:
-        for name, flags in VARIANTS.items():
+        for name, flags in variants(learners).items():
             for rep in range(1 if name == "sync" else repeats):  # sync does not depend on arrival order
                 out = work / f"{name}-{rep}"
                 t0 = time.time()
-                result = launch(LaunchOptions(out=out, run_flags=base + flags, learners=4, device="cpu", progress=False,
+                result = launch(LaunchOptions(out=out, run_flags=base + flags, learners=learners, device="cpu", progress=False,
                                              monitoring=False))
                 if not result.ok:
                     print(f"{name}: run failed: {result.failures}", file=sys.stderr)

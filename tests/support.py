@@ -4,6 +4,7 @@ ambiguous as an import once several test folders have one."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import time
 
@@ -54,3 +55,19 @@ def read_pty(fd: int) -> bytes:
             break
         chunks.append(data)
     return b"".join(chunks)
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of live processes whose command line holds ``text`` (the run folder)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
+        except OSError:  # gone meanwhile
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(entry.name))
+    return found

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from support import processes_naming, wait_until
 
 from ddiloco.baselines.launch import DPFailed, launch_dp
 
@@ -124,3 +127,28 @@ def test_negative_step_seconds_are_refused(tmp_path):
     assert proc.returncode == 2
     assert "--step-seconds: step seconds must be finite and >= 0" in proc.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_sigterm_stops_every_rank(tmp_path):
+    """The ranks run in sessions of their own; SIGTERM to ``ddiloco dp`` stops them, as
+    Ctrl-C does, instead of leaving them training without their launcher."""
+    out = tmp_path / "dp"
+    flags = ["--model", "tiny", "--batch-size", "4", "--data-bytes", "600000", "--max-seconds", "300"]
+    proc = subprocess.Popen([sys.executable, "-m", "ddiloco", "dp", "--world-size", "2", "--out", str(out), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def trained():
+            path = out / "metrics.jsonl"
+            return proc.poll() is not None or (path.exists() and '"dp_window"' in path.read_text())
+
+        wait_until(trained, 180, "the first dp window")
+        assert proc.poll() is None and len(processes_naming(str(out))) >= 2
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted (signal SIGTERM): ranks stopped" in err
+    assert processes_naming(str(out)) == [], "a rank outlived the launcher"

@@ -12,27 +12,7 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
-from support import TINY_RUN, wait_until
-
-from ddiloco.launcher.interrupts import StopSignals
-
-
-def processes_naming(text: str) -> list[int]:
-    """Pids of live processes whose command line holds ``text`` (the run folder)."""
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
-        except OSError:  # gone meanwhile
-            continue
-        if text in cmdline and "zombie" not in state:
-            found.append(int(entry.name))
-    return found
+from support import TINY_RUN, processes_naming, wait_until
 
 
 def events(run: pathlib.Path) -> list[dict]:
@@ -68,25 +48,3 @@ def test_sigterm_stops_every_service_in_order_and_leaves_nothing_running(tmp_pat
     # learners stopped first and their last windows were acknowledged
     stops = {e["learner"]: e for e in events(run) if e["event"] == "learner_stop"}
     assert sorted(stops) == [0, 1] and all(s["flushed"] for s in stops.values()), stops
-
-
-def test_a_signal_raises_keyboard_interrupt_until_the_stop_has_begun():
-    old = signal.getsignal(signal.SIGTERM)
-    with StopSignals() as signals:
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)  # Python runs the handler as the call returns
-        signals.stopping()
-        os.kill(os.getpid(), signal.SIGHUP)  # ignored now: the orderly stop is not cut short
-    assert signals.received == "SIGTERM"
-    assert signal.getsignal(signal.SIGTERM) == old  # handlers restored
-
-
-def test_sigint_ignored_by_the_caller_stays_ignored():
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        with StopSignals():
-            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    finally:
-        signal.signal(signal.SIGINT, old)

@@ -99,6 +99,9 @@ def _launch_all(args: argparse.Namespace, out: pathlib.Path) -> int:
     except DPFailed as exc:
         print(f"ddiloco dp: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP: the ranks were stopped
+        print(f"\nddiloco dp: interrupted ({exc or 'Ctrl-C'}): ranks stopped", file=sys.stderr)
+        return 130
     print_summary(report, sys.stdout)
     print(f"\nrun folder: {out}  (report.json, metrics.jsonl, config.json, ranks/, logs/)")
     return 0

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Callable
 
+from ddiloco.common.interrupts import StopSignals
+
 # one busy thread per process, as for ddiloco's learners: several ranks share few cores
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -72,18 +74,22 @@ def launch_dp(
     src = str(pathlib.Path(__file__).resolve().parents[2])  # works from a checkout without install
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     procs: list[tuple[int, subprocess.Popen, pathlib.Path]] = []
-    try:
-        for r in range(world_size):
-            cmd = (wrap_for_rank(r) if wrap_for_rank else []) + rank_command(
-                r, world_size, out, master_addr, port, run_flags, extra_flags
-            )
-            log_path = logs / f"rank-{r}.log"
-            with open(log_path, "ab") as log:
-                popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            procs.append((r, popen, log_path))
-        _wait(procs, timeout_s)
-    finally:
-        _stop(procs)
+    # ranks run in sessions of their own: SIGTERM/SIGHUP, like Ctrl-C, must reach the
+    # finally below, or they would train on without the launcher (common/interrupts.py)
+    with StopSignals() as signals:
+        try:
+            for r in range(world_size):
+                cmd = (wrap_for_rank(r) if wrap_for_rank else []) + rank_command(
+                    r, world_size, out, master_addr, port, run_flags, extra_flags
+                )
+                log_path = logs / f"rank-{r}.log"
+                with open(log_path, "ab") as log:
+                    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                procs.append((r, popen, log_path))
+            _wait(procs, timeout_s)
+        finally:
+            signals.stopping()
+            _stop(procs)
     report_path = out / "report.json"
     if not report_path.exists():
         raise DPFailed(f"rank 0 wrote no report; see {logs}/rank-0.log")

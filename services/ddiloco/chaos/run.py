@@ -19,8 +19,8 @@ from ddiloco.chaos.controller import ChaosController
 from ddiloco.chaos.faults import Schedule
 from ddiloco.chaos.local import LocalBackend, Partitioner, role_of
 from ddiloco.chaos.partition import NetnsPartitioner
+from ddiloco.common.interrupts import StopSignals
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.launcher.interrupts import StopSignals
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.run import LaunchOptions, LaunchResult, pacing_flags, progress_line, run_tls
 from ddiloco.launcher.topology import make_topology
@@ -55,7 +55,7 @@ def run_with_chaos(
     notes: list[str] = []
     failures: dict[str, int] = {}
     # torn down however this block is left (after faults are undone); Ctrl-C, SIGTERM and
-    # SIGHUP stop the run in order (launcher/interrupts.py)
+    # SIGHUP stop the run in order (common/interrupts.py)
     with StopSignals() as signals, topology:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         session = getattr(topology, "session", None)

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from ddiloco.common.config import RunConfig
+from ddiloco.common.interrupts import StopSignals
 from ddiloco.launcher.endpoints import Endpoint, Endpoints, free_port
-from ddiloco.launcher.interrupts import StopSignals
 from ddiloco.launcher.processes import Cluster
 from ddiloco.launcher.progress import Budget, Progress, plain_line, read
 from ddiloco.launcher.topology import TopologyOptions, make_topology
@@ -65,7 +65,7 @@ def launch(options: LaunchOptions) -> LaunchResult:
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
     # the topology is torn down on leaving this block, however it is left; Ctrl-C, SIGTERM
-    # and SIGHUP become KeyboardInterrupt meanwhile (launcher/interrupts.py)
+    # and SIGHUP become KeyboardInterrupt meanwhile (common/interrupts.py)
     with StopSignals() as signals, topology:
         cluster = Cluster(options.out, hub=topology.hub, datacenters=list(topology.datacenters), tls=run_tls(options))
         try:

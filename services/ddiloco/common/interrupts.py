@@ -1,13 +1,14 @@
-"""How a user stops ``ddiloco run``: Ctrl-C, SIGTERM (``kill``, systemd, a cancelled CI job,
-``timeout``) and SIGHUP (the terminal closed) all stop the run the same way.
+"""How a user stops a launcher (``ddiloco run``, ``ddiloco chaos``, ``ddiloco dp``): Ctrl-C,
+SIGTERM (``kill``, systemd, a cancelled CI job, ``timeout``) and SIGHUP (the terminal
+closed) all stop the run the same way.
 
-The services run in sessions of their own (so that Ctrl-C reaches the launcher alone, which
-stops them in order: learners first, whose last windows the outer optimizer must still be up
-to acknowledge). The flip side: a launcher that simply died on SIGTERM would leave every
-service running. So while a run is up these signals raise ``KeyboardInterrupt`` in the
-launcher, whose ``finally`` stops the services; once that orderly stop has begun, further
-signals are ignored: it is bounded (a grace period, then SIGKILL), and cutting it short is
-what would orphan the services.
+A launcher starts its services (or dp ranks) in sessions of their own, so that Ctrl-C
+reaches the launcher alone, which stops them in order (``ddiloco run``: learners first, whose
+last windows the outer optimizer must still be up to acknowledge). The flip side: a launcher
+that simply died on SIGTERM would leave every child running. So while a run is up these
+signals raise ``KeyboardInterrupt`` in the launcher, whose ``finally`` stops the children;
+once that orderly stop has begun, further signals are ignored: it is bounded (a grace
+period, then SIGKILL), and cutting it short is what would orphan the children.
 
 SIGINT that the process inherited as ignored (a job started with ``&`` from a
 non-interactive shell) stays ignored, as Python itself leaves it: that caller asked not to be
