@@ -29,8 +29,10 @@ def test_sigterm_stops_every_service_in_order_and_leaves_nothing_running(tmp_pat
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: proc.poll() is not None or any(e["event"] == "merge" for e in events(run)), 180,
-                   "the first merge")
+        # both learners have trained and been acknowledged: each has work to flush on the way out
+        wait_until(lambda: proc.poll() is not None
+                   or {e["learner"] for e in events(run) if e["event"] == "upload_acked"} == {0, 1}, 180,
+                   "an acknowledged delta from each learner")
         assert proc.poll() is None, "the run ended by itself"
         assert len(processes_naming(str(run))) >= 4  # coordinator, outer optimizer, two learners
         proc.send_signal(signal.SIGTERM)
