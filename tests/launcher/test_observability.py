@@ -103,10 +103,14 @@ def test_the_outer_optimizer_exports_merges_staleness_versions_and_eval_loss(liv
     url = services["outer"]["metrics"]
 
     def merged():
+        # with M = 2 the quorum is one delta: the first merges may hold learner 1's alone, so
+        # wait for learner 0's first delta too rather than assume it is in by then
         s = scrape(url)
-        return s if (value(s, "ddiloco_outer_merge_deltas_count") or 0) >= 2 and value(s, "ddiloco_outer_eval_version") else None
+        ready = ((value(s, "ddiloco_outer_merge_deltas_count") or 0) >= 2 and value(s, "ddiloco_outer_eval_version")
+                 and (value(s, "ddiloco_outer_delta_received_bytes_total", learner=0) or 0) > 0)
+        return s if ready else None
 
-    s = wait_until(merged, 90, "two merges and an evaluation after a merge", interval=0.5)
+    s = wait_until(merged, 90, "two merges, an evaluation after a merge and a delta from learner 0", interval=0.5)
     assert value(s, "ddiloco_outer_version") >= 2
     assert value(s, "ddiloco_outer_fragment_version", fragment=0) == value(s, "ddiloco_outer_version")
     assert value(s, "ddiloco_outer_merged_delta_staleness_rounds_count") >= value(s, "ddiloco_outer_merge_deltas_count")
