@@ -3,6 +3,7 @@ and interoperable over real gRPC with peers that use the generated stubs."""
 
 from __future__ import annotations
 
+import os
 from concurrent import futures
 
 import grpc
@@ -142,3 +143,62 @@ def test_an_unknown_format_or_compression_is_refused_by_name():
     with pytest.raises(errors.DataLoss) as err:  # damaged in transit: sending again may succeed
         wire.decode_payload(info, enc.payload)
     assert "checksum" in err.value.message
+
+
+# ----------------------------------------------------------------------------- reassembly
+def _stream(payload: bytes, chunk: int, offset: int = 0, declared: int | None = None) -> list:
+    header = outer_pb2.DeltaHeader(
+        run_id="r", seq=1, offset=offset,
+        payload=common_pb2.PayloadInfo(payload_bytes=len(payload) if declared is None else declared),
+    )
+    parse = wire.chunk_parser(outer_pb2.DeltaChunk)
+    return [parse(wire.serialize(m)) for m in wire.stream_frames(outer_pb2.DeltaChunk, header, payload[offset:], chunk)]
+
+
+class _Broken(grpc.RpcError):
+    pass
+
+
+def _breaking(messages: list, after: int):
+    yield from messages[:after]
+    raise _Broken()
+
+
+def test_a_resumed_stream_is_the_held_bytes_then_the_rest():
+    payload = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+    held = {}
+    messages = _stream(payload, 1000)
+    with pytest.raises(_Broken):
+        wire.reassemble(_breaking(messages, 3), 1 << 20, "delta", on_break=lambda h, b: held.update(data=b))
+    assert held["data"] == payload[:3000]  # exactly what arrived, as bytes of its own
+    resumed = _stream(payload, 1000, offset=3000)
+    header, got = wire.reassemble(iter(resumed), 1 << 20, "delta", resume=lambda h: held["data"])
+    assert header.offset == 3000 and len(got) == len(payload) and bytes(got) == payload
+
+
+def test_more_or_less_than_the_header_declares_is_refused():
+    payload = bytes(range(200)) * 10
+    with pytest.raises(errors.InvalidArgument, match="more than the 1999"):
+        wire.reassemble(iter(_stream(payload, 500, declared=1999)), 1 << 20, "delta")
+    with pytest.raises(errors.DataLoss, match="declares 2001 bytes, received 2000"):
+        wire.reassemble(iter(_stream(payload, 500, declared=2001)), 1 << 20, "delta")
+    with pytest.raises(errors.ResourceExhausted, match="exceeds the limit of 1000"):
+        wire.reassemble(iter(_stream(payload, 500)), 1000, "delta")
+
+
+def test_a_stream_that_declares_much_and_sends_little_costs_what_it_sent():
+    """The receive buffer is sized by the (bounded) declared size but only touched as data
+    arrives: a 1 GiB declaration followed by a break holds one chunk, not a gigabyte."""
+    header = outer_pb2.DeltaHeader(run_id="r", seq=1, payload=common_pb2.PayloadInfo(payload_bytes=1 << 30))
+    first = wire.chunk_parser(outer_pb2.DeltaChunk)(outer_pb2.DeltaChunk(header=header, data=b"x" * 100).SerializeToString())
+    held = {}
+
+    def resident_bytes() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident_bytes()
+    with pytest.raises(_Broken):  # the buffer is alive while on_break runs: measure there
+        wire.reassemble(_breaking([first], 1), 1 << 31, "delta",
+                        on_break=lambda h, b: held.update(data=b, grown=resident_bytes() - before))
+    assert held["data"] == b"x" * 100
+    assert held["grown"] < 64 << 20

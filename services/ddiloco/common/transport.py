@@ -121,7 +121,7 @@ class OuterClient:
         rest = memoryview(payload)[offset:]
         return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
 
-    def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, bytearray]:
+    def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, memoryview]:
         """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
         that is not one."""
         stream = self._pull(

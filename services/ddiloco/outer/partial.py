@@ -37,14 +37,14 @@ class PartialUploads:
             raise ValueError(f"max_learners must be at least 1, got {max_learners}")
         self.max_learners = max_learners
         self.ttl_s = ttl_s
-        self._held: OrderedDict[int, tuple[bytes, bytearray, float]] = OrderedDict()  # learner -> (key, data, kept at)
+        self._held: OrderedDict[int, tuple[bytes, bytes, float]] = OrderedDict()  # learner -> (key, data, kept at)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
-    def keep(self, header: outer_pb2.DeltaHeader, data: bytearray) -> None:
+    def keep(self, header: outer_pb2.DeltaHeader, data: bytes) -> None:
         if not data:
             return
         with self._lock:
@@ -53,7 +53,7 @@ class PartialUploads:
             while len(self._held) > self.max_learners:
                 self._held.popitem(last=False)
 
-    def _entry(self, header: outer_pb2.DeltaHeader) -> bytearray | None:
+    def _entry(self, header: outer_pb2.DeltaHeader) -> bytes | None:
         entry = self._held.get(header.learner_id)
         if entry is None:
             return None
@@ -69,7 +69,7 @@ class PartialUploads:
             data = self._entry(header)
             return 0 if data is None else len(data)
 
-    def take(self, header: outer_pb2.DeltaHeader) -> bytearray | None:
+    def take(self, header: outer_pb2.DeltaHeader) -> bytes | None:
         """The bytes held for this upload, removed from here, if they are exactly
         ``header.offset`` bytes; else None (and whatever was held stays)."""
         with self._lock:

@@ -551,14 +551,14 @@ class OuterService:
                 self.stop_event.set()
 
     # ------------------------------------------------------------------ helpers
-    def keep_broken(self, header: outer_pb2.DeltaHeader, data: bytearray) -> None:
+    def keep_broken(self, header: outer_pb2.DeltaHeader, data: bytes) -> None:
         """A PushDelta stream broke: keep what arrived for the learner's resumed retry, if
         the upload is this run's and its learner registered (no coordinator call: a
         learner unknown so far simply sends again from the start)."""
         if header.run_id == self.config.run_id and self.known.is_known(header.learner_id):
             self.partials.keep(header, data)
 
-    def resume_upload(self, header: outer_pb2.DeltaHeader) -> bytearray:
+    def resume_upload(self, header: outer_pb2.DeltaHeader) -> bytes:
         """The bytes held for a resumed upload (``header.offset`` of them); raises
         ``errors.OutOfRange`` when none are (the learner sends it from offset 0)."""
         if header.run_id == self.config.run_id:
