@@ -12,7 +12,8 @@
   ``recv_into`` a buffer allocated before the clock starts (gRPC's receiver allocates as
   the data arrives, as the service does), a one-byte reply at the end of an upload.
 
-Each direction is timed ``--repeats`` times (median); ``ratio`` is gRPC over TCP. The
+Each direction is timed ``--repeats`` times, a TCP round beside each gRPC round
+(medians); ``ratio`` is gRPC over TCP. The
 payload is random bytes (the transport never looks inside). Usage:
 ``python bench/wire.py [--quick] [--mb 256] [--chunk-mb 1 4]``; writes
 ``bench/results/wire.json`` (``--results-dir``); refuses uncommitted changes to services/ or
@@ -158,18 +159,24 @@ def measure(mb: int, chunks_mb: list[float], repeats: int, extra: list[tuple[str
     rows = []
     try:
         tcp_round(tcp_port, payload, "u")  # warm: the server's buffer, the connection path
-        tcp = {op: statistics.median(tcp_round(tcp_port, payload, op) for _ in range(repeats)) for op in ("u", "d")}
         for chunk_mb in chunks_mb:
             chunk = int(chunk_mb * (1 << 20))
             client = OuterClient(f"127.0.0.1:{grpc_port}", "bench", 1, chunk_bytes=chunk)
             try:
                 grpc_round(client, payload, "u", chunk)  # warm: channel up, flow-control windows grown
                 for op, direction in (("u", "upload"), ("d", "download")):
-                    sec = statistics.median(grpc_round(client, payload, op, chunk) for _ in range(repeats))
-                    g, t = nbytes / sec / 1e9, nbytes / tcp[op] / 1e9
+                    # interleaved, one TCP round beside each gRPC round: the machine's state
+                    # (page cache, other load, frequency) drifts between runs, and a ratio of
+                    # rounds taken side by side is what the target is about
+                    tcp_s, grpc_s = [], []
+                    for _ in range(repeats):
+                        tcp_s.append(tcp_round(tcp_port, payload, op))
+                        grpc_s.append(grpc_round(client, payload, op, chunk))
+                    sec, tsec = statistics.median(grpc_s), statistics.median(tcp_s)
+                    g, t = nbytes / sec / 1e9, nbytes / tsec / 1e9
                     rows.append({"direction": direction, "payload_mb": mb, "chunk_mb": chunk_mb,
                                  "grpc_gb_per_s": round(g, 3), "tcp_gb_per_s": round(t, 3), "ratio": round(g / t, 3),
-                                 "grpc_seconds": round(sec, 4), "tcp_seconds": round(tcp[op], 4)})
+                                 "grpc_seconds": round(sec, 4), "tcp_seconds": round(tsec, 4)})
                     print(f"{direction} {mb} MB, chunks of {chunk_mb} MiB: gRPC {g:.2f} GB/s, TCP {t:.2f} GB/s "
                           f"({g / t:.2f}x)", file=sys.stderr, flush=True)
             finally:
