@@ -3,7 +3,7 @@ from outside while it trains: RUN/endpoints.json says where each service is, eve
 answers Prometheus scrapes with the run's numbers, and the coordinator's status page, loaded
 in a real headless Chromium, shows every learner training and a loss.
 
-One run serves the whole module; it is stopped (SIGINT, as Ctrl-C) when the module ends.
+One run serves the whole module; it is stopped (SIGTERM) when the module ends.
 Set DDILOCO_SCREENSHOT=PATH to keep the page's screenshot (docs/status-page.png is made so:
 `DDILOCO_SCREENSHOT=docs/status-page.png python -m pytest tests/launcher/test_observability.py`).
 """

@@ -112,6 +112,9 @@ def _start_up(tmp_path: pathlib.Path) -> tuple[subprocess.Popen, registry.Marker
         [sys.executable, "-m", "ddiloco", "netns", "--state-dir", str(tmp_path), "up", "--profile", "wan-slow",
          "--datacenters", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # SIGINT as a terminal leaves it: a suite started in the background (``&`` in a
+        # non-interactive shell) would hand it on ignored, and an ignored SIGINT stays ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert "hub " in proc.stdout.readline()  # printed once everything is built
     marker = registry.markers(tmp_path)[0]

@@ -8,17 +8,14 @@ from __future__ import annotations
 import atexit
 import os
 import pathlib
-import signal
-import threading
 
 import ddiloco
+from ddiloco.common.interrupts import StopSignals
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.netns import registry
 from ddiloco.netns import topology as T
 from ddiloco.netns.sampler import LinkSampler, Samples, Span, summarize
 from ddiloco.wan.profiles import Profile, get_profile
-
-_GUARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def package_env() -> dict[str, str]:
@@ -50,8 +47,7 @@ class NetnsSession:
         self.built: T.Built | None = None
         self.sampler: LinkSampler | None = None
         self._closed = False
-        self._closing = False
-        self._old_handlers: dict[int, object] = {}
+        self._signals: StopSignals | None = None
 
     # --- lifetime ---------------------------------------------------------------------
 
@@ -75,7 +71,8 @@ class NetnsSession:
     def close(self) -> None:
         if self._closed or self.plan is None:
             return
-        self._closing = True  # a second Ctrl-C must not interrupt the tear-down itself
+        if self._signals is not None:
+            self._signals.stopping()  # a second Ctrl-C must not interrupt the tear-down itself
         try:
             if self.sampler is not None:
                 self.sampler.stop()
@@ -83,27 +80,18 @@ class NetnsSession:
             self._closed = True
         finally:
             self._unguard()
-            self._closing = False
 
     def _guard(self) -> None:
+        """Tear down at exit, and turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt: unwinding
+        through the callers' finally blocks stops services in order, then tears down."""
         atexit.register(self.close)
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; atexit still holds
-        for sig in _GUARDED:
-            self._old_handlers[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
+        self._signals = StopSignals().__enter__()
 
     def _unguard(self) -> None:
         atexit.unregister(self.close)
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._old_handlers.clear()
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        if self._closing:
-            return
-        # unwinding through the callers' finally blocks stops services in order, then tears down
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
+            self._signals = None
 
     # --- where things run -------------------------------------------------------------
 
