@@ -3,15 +3,31 @@ ambiguous as an import once several test folders have one."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
+import sys
 import time
 
 from ddiloco.common.health import check
 
 # A tiny model and short windows keep every multi-process test within seconds on 2 cores.
 TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]
+
+
+def load_bench(name: str, module_name: str | None = None):
+    """The bench script ``bench/NAME.py`` as a module (benches are scripts, not a package),
+    registered in ``sys.modules`` under ``module_name`` (dataclasses look their module up
+    there); ``bench/`` goes on the path for the scripts' own ``import common_bench``."""
+    bench_dir = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    if str(bench_dir) not in sys.path:
+        sys.path.insert(0, str(bench_dir))
+    spec = importlib.util.spec_from_file_location(module_name or f"{name}_bench", bench_dir / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):

@@ -6,7 +6,6 @@ increased. The numbers themselves come from the full run (docs/chaos.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -14,18 +13,14 @@ import sys
 
 import pytest
 
-from support import assert_provenance
+from support import assert_provenance, load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW_KEYS = {"method", "faults", "goodput", "final_eval_loss", "acked_deltas_lost", "deltas_applied_twice"}
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("chaos_bench", ROOT / "bench" / "chaos.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("chaos", "chaos_bench")
 
 
 @pytest.fixture(scope="module")

@@ -4,23 +4,18 @@ shared bench helpers' provenance."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 import threading
 
 import pytest
+
+from support import load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(f"{name}_bench_t", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench(name, f"{name}_bench_t")
 
 
 def test_targeted_outcomes_before_worst_and_recovery():

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from support import load_bench
 
 
 def _load():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("common_bench_t", ROOT / "bench" / "common_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("common_bench", "common_bench_t")
 
 
 def window(t, learner, steps, fragment=0):

@@ -4,7 +4,6 @@ itself (that needs the full budget); and the comparison arithmetic on known rows
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -13,18 +12,13 @@ import sys
 
 import pytest
 
-from support import assert_provenance
+from support import assert_provenance, load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _load_bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("peer_diloco_bench", ROOT / "bench" / "peer_diloco.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("peer_diloco", "peer_diloco_bench")
 
 
 def _torchft_missing() -> str | None:

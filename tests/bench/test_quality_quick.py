@@ -4,7 +4,6 @@ arithmetic on rows whose answers are known."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -12,7 +11,7 @@ import sys
 
 import pytest
 
-from support import assert_provenance
+from support import assert_provenance, load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW_KEYS = {"method", "budget", "budget_tokens", "final_eval_loss", "final_eval_accuracy", "tokens",
@@ -20,11 +19,7 @@ ROW_KEYS = {"method", "budget", "budget_tokens", "final_eval_loss", "final_eval_
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("quality_bench", ROOT / "bench" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("quality", "quality_bench")
 
 
 @pytest.fixture(scope="module")

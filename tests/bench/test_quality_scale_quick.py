@@ -4,7 +4,6 @@ JSON's schema as issue 17 gives it, the PNG, sane numbers; and the targets' arit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -13,7 +12,7 @@ import sys
 
 import pytest
 
-from support import assert_provenance
+from support import assert_provenance, load_bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ROW_KEYS = {"method", "learners", "seed", "tokens", "final_eval_loss", "final_eval_accuracy", "deltas_per_merge_mean",
@@ -21,12 +20,7 @@ ROW_KEYS = {"method", "learners", "seed", "tokens", "final_eval_loss", "final_ev
 
 
 def _load_bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("quality_scale_bench", ROOT / "bench" / "quality_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("quality_scale", "quality_scale_bench")
 
 
 @pytest.fixture(scope="module")
