@@ -120,6 +120,9 @@ def test_the_coalescing_bound_defaults_to_the_staleness_bound_and_is_a_run_flag(
     ('{"learner": {"sync": "yes"}}', "learner.sync must be bool, got 'yes'"),
     ('{"learner": 3}', "learner must be an object"),
     ('{"learnerz": 4}', "unknown RunConfig keys: ['learnerz']"),
+    ('{"learner": {"codec": "int2"}}', "learner.codec must be one of fp32, int8, int4, got 'int2'"),
+    ('{"learner": {"codec": 8}}', "learner.codec must be one of fp32, int8, int4, got 8"),
+    ('{"outer": {"merge_rule": "median"}}', "outer.merge_rule must be one of weighted, mean, rda, got 'median'"),
 ])
 def test_a_config_file_with_a_wrong_value_is_refused_by_name(text, message):
     with pytest.raises(ValueError) as exc:

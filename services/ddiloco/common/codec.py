@@ -40,8 +40,8 @@ import xxhash
 import zstandard
 
 from ddiloco.common import quantize as qz
+from ddiloco.common.config import CODECS
 
-CODECS = ("fp32", "int8", "int4")
 QMAX = {"int8": 127, "int4": 7}  # largest code of each lossy codec
 FORMAT = 2  # what encode writes
 FORMATS = (1, 2)  # what decode reads

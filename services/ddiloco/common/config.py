@@ -14,6 +14,15 @@ import typing
 from dataclasses import dataclass, field
 
 
+# The choices of the run's string fields, declared with the fields: the wire codecs of
+# pseudo-gradients (common/codec.py) and how a merge weighs its deltas (common/merge.py).
+# Those modules take them from here; flag parsing (runflags) reads them without importing
+# torch.
+Codec = typing.Literal["fp32", "int8", "int4"]
+CODECS: tuple[str, ...] = typing.get_args(Codec)
+MergeRule = typing.Literal["weighted", "mean", "rda"]
+MERGE_RULES: tuple[str, ...] = typing.get_args(MergeRule)
+
 # The workload a run trains when none is named: the byte-level GPT below on text.
 DEFAULT_WORKLOAD = "ddiloco.workloads.bytegpt:workload"
 
@@ -73,7 +82,7 @@ class LearnerConfig:
     weight_decay: float = 0.1
     warmup_steps: int = 20
     grad_clip: float = 1.0
-    codec: str = "int8"  # fp32 | int8 | int4
+    codec: Codec = "int8"
     block_size: int = 64
     error_feedback: bool = True
     chunk_bytes: int = 1 << 20
@@ -116,7 +125,7 @@ class OuterConfig:
     # live). 0, the default: half the run's learners, rounded up (RunConfig.merge_quorum; why
     # in docs/algorithm.md, "Quorum under steady disorder")
     quorum: int = 0
-    merge_rule: str = "weighted"  # weighted (tokens x tokens/step) | mean | rda
+    merge_rule: MergeRule = "weighted"  # tokens x tokens/step | mean | rda
     # The work clock scales each merge by the fraction of a synchronous round it stands for.
     # Off reproduces the naive recipe (a full synchronous outer step per arrival), which
     # diverges; kept only to measure that.
@@ -227,6 +236,10 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
             value = float(value)
         elif hint in (int, float, str, bool) and (type(value) is not hint):
             raise ValueError(f"{path} must be {hint.__name__}, got {value!r}")
+        elif typing.get_origin(hint) is typing.Literal and not (
+            isinstance(value, str) and value in typing.get_args(hint)
+        ):
+            raise ValueError(f"{path} must be one of {', '.join(typing.get_args(hint))}, got {value!r}")
         elif hint == dict[str, str] and not (
             isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
         ):

@@ -67,7 +67,8 @@ from typing import Sequence
 
 import torch
 
-MERGE_RULES = ("weighted", "mean", "rda")
+from ddiloco.common.config import MERGE_RULES
+
 # Rounds of a merge at the full gain (OuterConfig.full_gain_rounds; the module docstring)
 DEFAULT_FULL_GAIN_ROUNDS = 1.0
 

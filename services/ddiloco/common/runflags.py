@@ -9,8 +9,7 @@ import json
 import pathlib
 
 from ddiloco.common.cliargs import duration
-from ddiloco.common.config import MODEL_PRESETS, RunConfig
-from ddiloco.common.codec import CODECS
+from ddiloco.common.config import CODECS, MERGE_RULES, MODEL_PRESETS, RunConfig
 
 # (flag, dest path in RunConfig, type, help)
 _FLAGS: list[tuple[str, str, type, str]] = [
@@ -89,13 +88,7 @@ def add_run_flags(parser: argparse.ArgumentParser, only: frozenset[str] | None =
             metavar=metavar if choices is None else None, choices=choices)
 
 
-def _merge_rules() -> tuple[str, ...]:
-    from ddiloco.common.merge import MERGE_RULES
-
-    return tuple(MERGE_RULES)
-
-
-_CHOICES: dict[str, tuple[str, ...]] = {"--codec": tuple(CODECS), "--merge-rule": _merge_rules()}
+_CHOICES: dict[str, tuple[str, ...]] = {"--codec": CODECS, "--merge-rule": MERGE_RULES}
 
 
 def _lookup(cfg: RunConfig, dest: str):
@@ -135,8 +128,6 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.outer.quorum = cfg.learners
     if cfg.learner.codec not in CODECS:
         raise SystemExit(f"--codec must be one of {CODECS}, got {cfg.learner.codec!r}")
-    from ddiloco.common.merge import MERGE_RULES
-
     if cfg.outer.merge_rule not in MERGE_RULES:
         raise SystemExit(f"--merge-rule must be one of {MERGE_RULES}, got {cfg.outer.merge_rule!r}")
     from ddiloco.common.config_rules import problems
