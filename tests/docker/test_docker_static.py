@@ -6,6 +6,7 @@ import ipaddress
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -391,6 +392,32 @@ def test_stack_gives_each_service_only_its_own_key_as_secrets(stack):
     assert [s["source"] for s in svcs["learner"]["secrets"]] == ["learners"]
     assert env_of(svcs["learner"])["DDILOCO_TLS_BUNDLE"] == "/run/secrets/learners.json"
     assert set(stack["secrets"]) == {"ca", "coordinator_crt", "coordinator_key", "outer_crt", "outer_key", "learners", "revoked"}
+
+
+def test_k8s_pods_take_the_workload_and_the_ranks_from_their_environment():
+    """As in Compose and the Swarm stack: the coordinator plans the run's workload and ranks
+    per learner (every pod follows its configuration), a learner may override its group's
+    size; the values are empty in the file, which the commands read as unset (their
+    defaults), and each name is the flag's own environment variable."""
+    from ddiloco.common.cliargs import env_name
+
+    jobs = {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == "Job"}
+
+    def env(job: str) -> dict:
+        (c,) = jobs[job]["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    coordinator, learner = env("ddiloco-coordinator"), env("ddiloco-learners")
+    for flag in ("--workload", "--workload-arg", "--ranks-per-learner"):
+        assert coordinator[env_name(flag, "DDILOCO_")] == "", flag
+    assert learner[env_name("--nproc-per-learner", "DDILOCO_")] == ""
+    # and each command reads them (its --help names the variable of each flag)
+    for name, keys in (("coordinator", ("DDILOCO_WORKLOAD", "DDILOCO_WORKLOAD_ARG", "DDILOCO_RANKS_PER_LEARNER")),
+                       ("learner", ("DDILOCO_NPROC_PER_LEARNER",))):
+        shown = run(sys.executable, "-m", "ddiloco", name, "--help", env={"PYTHONPATH": str(ROOT / "services")}).stdout
+        words = " ".join(shown.split())
+        for key in keys:
+            assert f"env {key}]" in words, (name, key)
 
 
 def test_k8s_pods_mount_their_identity_from_the_tls_secret():
