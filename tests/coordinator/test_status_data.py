@@ -31,3 +31,19 @@ def test_a_draining_learner_with_deltas_in_flight_is_uploading():
 def test_an_expired_lease_is_dead_and_a_clean_leave_is_left():
     assert member_state(record(inner_steps=10), alive=False, run_state=RUNNING) == "dead"
     assert member_state(record(inner_steps=10, left=True), alive=False, run_state=RUNNING) == "left"
+
+
+def test_the_page_shows_each_learners_group_size():
+    """A learner that is a torch.distributed group of R processes shows R on the status page
+    (``ranks``), beside its datacenter."""
+    from ddiloco.common.config import RunConfig
+    from ddiloco.coordinator import status_data
+    from ddiloco.coordinator.membership import Membership
+    from ddiloco.coordinator.watch import RunWatch
+
+    members = Membership(RunConfig(learners=2), state_path=None, clock=lambda: 100.0)
+    for learner_id, ranks in ((0, 1), (1, 4)):
+        members.members[learner_id] = MemberRecord(learner_id=learner_id, shard_index=learner_id, incarnation=1,
+                                                   ranks=ranks, datacenter=f"dc{learner_id}", last_heartbeat=99.0)
+    view = status_data.build(members.config, members, RunWatch(members, 2, run_dir=None))
+    assert [(m["learner"], m["datacenter"], m["ranks"]) for m in view["members"]] == [(0, "dc0", 1), (1, "dc1", 4)]

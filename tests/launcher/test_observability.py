@@ -219,15 +219,15 @@ def test_the_status_page_in_chromium_shows_every_learner_training_and_a_loss(liv
         page = chromium(f"--user-data-dir={profile}", "--dump-dom", url)
         parsed = _Members()
         parsed.feed(page.stdout)
-        ready = (len(parsed.rows) == 2 and all(r[2] == "training" for r in parsed.rows)
+        ready = (len(parsed.rows) == 2 and all(r[3] == "training" for r in parsed.rows)
                  and parsed.loss.strip() not in ("", "–"))
         return parsed if ready else None
 
     parsed = wait_until(rendered, 120, "the page to show both learners training and an eval loss", interval=1.0)
     assert float(parsed.loss) > 0
     for i, row in enumerate(parsed.rows):
-        learner, datacenter, state, incarnation, tokens = row[:5]
-        assert (learner, datacenter, state, incarnation) == (str(i), f"dc{i}", "training", "1")
+        learner, datacenter, ranks, state, incarnation, tokens = row[:6]
+        assert (learner, datacenter, ranks, state, incarnation) == (str(i), f"dc{i}", "1", "training", "1")
         assert int(tokens.replace(",", "")) > 0
     shot = tmp_path / "status-page.png"
     chromium(f"--user-data-dir={profile}", f"--screenshot={shot}", url)
@@ -246,6 +246,7 @@ def test_the_status_page_serves_everything_it_loads_itself(live_run):
             assert r.status == 200
     view = json.loads(urllib.request.urlopen(base + "status.json", timeout=5).read())
     assert [m["learner"] for m in view["members"]] == [0, 1]
+    assert [m["ranks"] for m in view["members"]] == [1, 1]  # one process each (no --nproc-per-learner)
     assert view["outer"]["fragments"][0]["version"] == view["outer"]["version"]
 
 

@@ -52,6 +52,7 @@ def build(config, members, watch) -> dict:
             rows.append({
                 "learner": rec.learner_id,
                 "datacenter": rec.datacenter,
+                "ranks": rec.ranks,  # processes of the learner's torch.distributed group
                 "state": member_state(rec, alive, run_state),
                 "incarnation": rec.incarnation,
                 "shard": rec.shard_index,

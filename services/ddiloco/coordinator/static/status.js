@@ -95,7 +95,7 @@ function render(s) {
   $("loss").textContent = o && o.eval_loss !== null ? o.eval_loss.toFixed(4) : "–";
   $("goodput").textContent = s.goodput ? (100 * s.goodput.goodput).toFixed(1) + "%" + (s.goodput.frozen ? " (stopped)" : "") : "–";
   fill("members", s.members.map((m) => [
-    m.learner, m.datacenter || "–", { text: m.state, cls: "state-" + m.state }, m.incarnation, num(m.tokens), num(m.inner_steps),
+    m.learner, m.datacenter || "–", m.ranks, { text: m.state, cls: "state-" + m.state }, m.incarnation, num(m.tokens), num(m.inner_steps),
     m.version, m.behind, m.in_flight, mb(m.bytes_uploaded), mb(m.bytes_downloaded),
     (100 * m.compute_utilization).toFixed(0) + "%", m.heartbeat_age_s.toFixed(1) + " s",
   ]));
