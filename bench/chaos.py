@@ -89,6 +89,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import common_bench as cb  # noqa: E402
 
 TARGETS = {"goodput": 0.88, "loss_gap": 0.02}
+# The schedule's two families of faults: the timed learner kills and the targeted outer kills
+FAMILIES = ("learners", "outer")
 
 
 @dataclass
@@ -129,15 +131,30 @@ class Settings:
             TargetedFault("outer-checkpoint", ckpt_at, self.outer_restart_after, window_s=self.checkpoint_window_s),
         ]
 
-    def describe_faults(self) -> str:
-        n = len(periodic("kill", "learner", self.kill_every, self.restart_after, self.seconds))
-        t = self.targeted()
-        return (
-            f"learner SIGKILL every {self.kill_every:g}s, restarted {self.restart_after:g}s later (x{n}); "
-            f"outer SIGKILL with >= 1 round of deltas pending from {t[0].at_s:g}s (after a {t[0].freeze_s:g}s freeze) "
-            f"and outer SIGKILL during a checkpoint write from {t[1].at_s:g}s, each restarted "
-            f"{self.outer_restart_after:g}s later"
-        )
+    def describe_faults(self, families: tuple[str, ...] = FAMILIES) -> str:
+        parts = []
+        if "learners" in families:
+            n = len(periodic("kill", "learner", self.kill_every, self.restart_after, self.seconds))
+            parts.append(f"learner SIGKILL every {self.kill_every:g}s, restarted {self.restart_after:g}s later (x{n})")
+        if "outer" in families:
+            t = self.targeted()
+            parts.append(
+                f"outer SIGKILL with >= 1 round of deltas pending from {t[0].at_s:g}s (after a {t[0].freeze_s:g}s "
+                f"freeze) and outer SIGKILL during a checkpoint write from {t[1].at_s:g}s, each restarted "
+                f"{self.outer_restart_after:g}s later"
+            )
+        return "; ".join(parts) or "none"
+
+
+def bench_settings(quick: bool, device: str, dp_checkpoint_s: float = 30.0) -> Settings:
+    """The bench's settings: the full run (M = 8, 300 s, emulated 0.1 s steps) or its smoke form."""
+    if quick:
+        return Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=12, outer_restart_after=2,
+                        model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=device,
+                        backlog_freeze_s=2.0, checkpoint_kill_at=19, checkpoint_window_s=8.0, step_seconds=0.02)
+    return Settings(learners=8, seconds=300, kill_every=60, restart_after=20, outer_kill_at=150, outer_restart_after=5,
+                    model="tiny", inner_steps=20, batch_size=8, dp_checkpoint_s=dp_checkpoint_s, device=device,
+                    step_seconds=0.1)
 
 
 @dataclass
@@ -342,12 +359,21 @@ def time_to_loss(events: list[dict], level: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------------- ddiloco
-def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict:
+def fault_plan(s: Settings, families: tuple[str, ...]) -> tuple[Schedule, list[TargetedFault]]:
+    """The timed schedule and the targeted faults of the given fault ``families``."""
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"unknown fault families {sorted(unknown)}; expected some of {FAMILIES}")
+    return (s.schedule() if "learners" in families else Schedule([]),
+            s.targeted() if "outer" in families else [])
+
+
+def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool, families: tuple[str, ...] = FAMILIES) -> dict:
+    """One run; under ``chaos``, the schedule's fault ``families`` (both by default)."""
     from ddiloco.launcher.run import LaunchOptions
 
     flags = s.run_flags() + (["--sync", "--quorum", str(s.learners)] if sync else [])
-    schedule = s.schedule() if chaos else Schedule([])
-    targeted = s.targeted() if chaos else []
+    schedule, targeted = fault_plan(s, families if chaos else ())
     t0 = time.monotonic()
     result = run_with_targeted(
         LaunchOptions(out=out, run_flags=flags, learners=s.learners, device=s.device, progress=False,
@@ -364,7 +390,7 @@ def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool) -> dict
     injected = [e for e in events if e["event"] == "fault" and e["phase"] == "inject"]
     return {
         "method": "diloco-sync" if sync else "ddiloco",
-        "faults": s.describe_faults() if chaos else "none",
+        "faults": s.describe_faults(families) if chaos else "none",
         "goodput": report.get("goodput"),
         "final_eval_loss": round(report["final_eval_loss"], 4),
         "acked_deltas_lost": audit["acked_deltas_lost"],
@@ -586,14 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="emulated dedicated hardware: every step at least T seconds (default 0.1 full, 0.02 quick; 0: off)")
     ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
     args = ap.parse_args(argv)
-    if args.quick:
-        s = Settings(learners=2, seconds=30, kill_every=10, restart_after=3, outer_kill_at=12, outer_restart_after=2,
-                     model="tiny", inner_steps=5, batch_size=4, dp_checkpoint_s=4, device=args.device,
-                     backlog_freeze_s=2.0, checkpoint_kill_at=19, checkpoint_window_s=8.0, step_seconds=0.02)
-    else:
-        s = Settings(learners=8, seconds=300, kill_every=60, restart_after=20, outer_kill_at=150, outer_restart_after=5,
-                     model="tiny", inner_steps=20, batch_size=8, dp_checkpoint_s=args.dp_checkpoint_s, device=args.device,
-                     step_seconds=0.1)
+    s = bench_settings(args.quick, args.device, args.dp_checkpoint_s)
     if args.step_seconds is not None:
         s.step_seconds = args.step_seconds
     if args.learners:
