@@ -9,8 +9,8 @@ the grace window is tested with made-up times.
   The window starts when the quorum is first met and is forgotten when it is lost.
 * Restart hold: after a restart, learners re-send what they trained while the outer
   optimizer was down, all from the same base; merges wait (bounded, by the caller) until
-  every live learner's delta is in, or the first arrivals merged alone would make the others
-  look stale.
+  every responsive learner's delta is in (holding a lease and heartbeating: the caller
+  counts them), or the first arrivals merged alone would make the others look stale.
 """
 
 from __future__ import annotations
@@ -51,5 +51,6 @@ def due_fragments(
 
 
 def everyone_in(pending: Sequence[Collection[int]], live: int) -> bool:
-    """Every fragment holds a delta from as many learners as are live: a restart hold ends."""
+    """Every fragment holds a delta from as many learners as are ``live`` (those the hold
+    waits for): a restart hold ends."""
     return all(len(learners) >= live for learners in pending)

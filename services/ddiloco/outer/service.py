@@ -438,12 +438,14 @@ class OuterService:
             grace = self.timing.grace_s(overlap, ocfg.grace_gamma, ocfg.max_grace_s or self.config.lease_timeout_s)
             live = self.known.live_count(self.config.learners)
             if time.monotonic() < self.recovery_until:
-                # after a restart, hold merges until every live learner's re-sent delta is in
-                # (bounded): they all trained from the same base while this process was down,
-                # and merging the first arrivals alone would make the others look stale. The
-                # hold ends as soon as they are all in, so even a process that crashes every
-                # few seconds still merges.
-                if decision.everyone_in(state.pending_learners(), live):
+                # after a restart, hold merges until every responsive learner's re-sent delta
+                # is in (bounded): they all trained from the same base while this process was
+                # down, and merging the first arrivals alone would make the others look stale.
+                # The hold ends as soon as they are all in, so even a process that crashes
+                # every few seconds still merges; a learner that stopped heartbeating is not
+                # waited for (its lease outlives it; known_learners.RESPONSIVE_HEARTBEAT_MS)
+                waited_for = min(live, self.known.responsive_count(self.config.learners))
+                if decision.everyone_in(state.pending_learners(), waited_for):
                     self.recovery_until = 0.0
                 else:
                     with state.lock:

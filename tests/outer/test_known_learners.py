@@ -1,0 +1,44 @@
+"""The outer optimizer's view of membership (outer/known_learners.py): who holds a lease,
+and who a restart hold waits for. The coordinator's answer is a real ``Membership``
+message handed over by a stand-in for its stub (the counting rules are what is under test;
+the coordinator's own lease and heartbeat bookkeeping is tested in tests/coordinator)."""
+
+from __future__ import annotations
+
+from ddiloco.outer.known_learners import RESPONSIVE_HEARTBEAT_MS, KnownLearners
+from ddiloco.v1 import coordinator_pb2
+
+
+class CannedCoordinator:
+    def __init__(self, members: list[coordinator_pb2.Member]) -> None:
+        self.answer = coordinator_pb2.Membership(run_id="r", state=coordinator_pb2.RUN_STATE_RUNNING, members=members)
+
+    def GetMembership(self, request, timeout):  # noqa: N802 - the stub's method name
+        return self.answer
+
+
+def member(learner_id: int, alive: bool = True, ms: int = 200) -> coordinator_pb2.Member:
+    return coordinator_pb2.Member(learner_id=learner_id, alive=alive, ms_since_heartbeat=ms)
+
+
+def test_a_learner_killed_after_the_restart_is_live_on_its_lease_but_not_waited_for():
+    # 8 learners: one killed 4 s ago (lease of 10 s still live), one whose lease lapsed
+    members = [member(i) for i in range(6)] + [member(6, ms=4000), member(7, alive=False, ms=12_000)]
+    known = KnownLearners(CannedCoordinator(members))
+    known.refresh()
+    assert known.live_count(planned=8) == 7
+    assert known.responsive_count(planned=8) == 6
+
+
+def test_a_heartbeat_at_the_bound_still_counts():
+    known = KnownLearners(CannedCoordinator([member(0, ms=RESPONSIVE_HEARTBEAT_MS), member(1, ms=RESPONSIVE_HEARTBEAT_MS + 1)]))
+    known.refresh()
+    assert known.responsive_count(planned=2) == 1
+
+
+def test_before_the_first_answer_and_while_learners_join_every_planned_learner_is_waited_for():
+    known = KnownLearners(CannedCoordinator([member(0), member(1, ms=9000)]))
+    assert known.responsive_count(planned=4) == 4 and known.live_count(planned=4) == 4  # no answer yet
+    known.refresh()
+    assert known.responsive_count(planned=4) == 4  # 2 of 4 registered: still joining
+    assert known.responsive_count(planned=4, join_timeout_s=0.0) == 1  # joining is over
