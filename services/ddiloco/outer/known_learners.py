@@ -66,22 +66,24 @@ class KnownLearners:
         merging. Until the planned M have joined (or ``join_timeout_s`` passed) it is M: a
         learner still starting up is not a dead one, and a synchronous run must not merge
         its first arrivals alone."""
-        with self._lock:
-            joining = self._members < planned and time.monotonic() - self._started < join_timeout_s
-            if self._live is None or joining:
-                return planned
-            return self._live
+        return self._count("_live", planned, join_timeout_s)
 
     def responsive_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
         """Learners holding a lease that heartbeated within ``RESPONSIVE_HEARTBEAT_MS``: those
         a restart hold waits for (a dead one's lease outlives it by up to the lease timeout).
         Until the planned M have joined (or ``join_timeout_s`` passed) it is M, as for
         ``live_count``."""
+        return self._count("_responsive", planned, join_timeout_s)
+
+    def _count(self, field: str, planned: int, join_timeout_s: float) -> int:
+        """``field`` (a count from the last refresh, read under the lock with the membership
+        it came from), or M while the run's learners are still joining."""
         with self._lock:
+            counted: int | None = getattr(self, field)
             joining = self._members < planned and time.monotonic() - self._started < join_timeout_s
-            if self._responsive is None or joining:
+            if counted is None or joining:
                 return planned
-            return self._responsive
+            return counted
 
     def is_known(self, learner_id: int) -> bool:
         with self._lock:
