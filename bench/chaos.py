@@ -368,11 +368,15 @@ def fault_plan(s: Settings, families: tuple[str, ...]) -> tuple[Schedule, list[T
             s.targeted() if "outer" in families else [])
 
 
-def run_ddiloco(s: Settings, out: pathlib.Path, sync: bool, chaos: bool, families: tuple[str, ...] = FAMILIES) -> dict:
-    """One run; under ``chaos``, the schedule's fault ``families`` (both by default)."""
+def run_ddiloco(
+    s: Settings, out: pathlib.Path, sync: bool, chaos: bool, families: tuple[str, ...] = FAMILIES, seed: int = 0
+) -> dict:
+    """One run; under ``chaos``, the schedule's fault ``families`` (both by default);
+    ``seed``: the run's (the initial model's) seed."""
     from ddiloco.launcher.run import LaunchOptions
 
     flags = s.run_flags() + (["--sync", "--quorum", str(s.learners)] if sync else [])
+    flags += ["--seed", str(seed)] if seed else []  # 0 is the run's default: the flags stay as they were
     schedule, targeted = fault_plan(s, families if chaos else ())
     t0 = time.monotonic()
     result = run_with_targeted(

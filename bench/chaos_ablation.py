@@ -19,10 +19,20 @@ at equal tokens merged, relative to the ``none`` row, at three levels (half, thr
 quarters, and all of the fewest tokens any row merged): the cost per token, which the
 number of tokens trained does not enter.
 
+One run per row does not resolve costs of a few percent: two runs of the same settings
+differ by that much per token (arrival orders differ from run to run). ``--repeats R``
+runs the rows R times, interleaved (none, all, none, all, ...: drift of the machine falls
+on every row alike), repeat r with the run seed r, and compares each run with the ``none``
+run of its own repeat; the summary gives each row's mean, lowest and highest cost over the
+repeats, and the fault-free runs' own spread at the same token counts: the noise floor a
+cost must clear.
+
     python bench/chaos_ablation.py            # M = 8, T = 300 s, emulated 0.1 s steps, ~23 minutes
+    python bench/chaos_ablation.py --rows none,all --repeats 3   # ~33 minutes
     python bench/chaos_ablation.py --quick    # the smoke form: M = 2, T = 30 s, rows none and all
 
-Writes ``bench/results/chaos_ablation.json`` (``chaos_ablation-quick.json`` with --quick).
+Writes ``bench/results/chaos_ablation.json`` (``chaos_ablation-quick.json`` with --quick,
+``chaos_ablation-repeats3.json`` with --repeats 3).
 Runs alone on the machine, like every bench (``bench/common_bench.py``).
 """
 
@@ -47,37 +57,70 @@ LEVELS = (0.5, 0.75, 1.0)  # fractions of the fewest tokens any row merged
 
 
 def equal_token_table(rows: list[dict]) -> list[dict]:
-    """Per row, its eval loss at equal tokens merged and its ratio to the ``none`` row's,
-    at ``LEVELS`` of the fewest tokens merged by any row (every curve reaches them)."""
-    base = next(r for r in rows if r["row"] == "none")
+    """Per run, its eval loss at equal tokens merged and its ratio to the ``none`` run of the
+    same repeat, at ``LEVELS`` of the fewest tokens merged by any run (every curve reaches
+    them, so every repeat is read at the same token counts)."""
+    base = {r.get("repeat", 0): r for r in rows if r["row"] == "none"}
     fewest = min(r["tokens_merged"] for r in rows)
     out = []
     for r in rows:
+        repeat = r.get("repeat", 0)
         at = []
         for level in LEVELS:
             tokens = int(level * fewest)
             loss = chaos.loss_at_tokens(r["loss_curve"], tokens)
-            ref = chaos.loss_at_tokens(base["loss_curve"], tokens)
+            ref = chaos.loss_at_tokens(base[repeat]["loss_curve"], tokens)
             at.append({"tokens": tokens, "eval_loss": round(loss, 4), "vs_none": round(loss / ref - 1, 4)})
-        out.append({"row": r["row"], "at": at})
+        out.append({"row": r["row"], "repeat": repeat, "at": at})
     return out
 
 
-def print_tables(rows: list[dict], table: list[dict]) -> None:
-    print("| faults | final eval loss | vs none | tokens merged | goodput | waiting | restarting | refused stale |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    base = next(r for r in rows if r["row"] == "none")
+def summary(table: list[dict]) -> dict:
+    """Over the repeats: each row's mean, lowest and highest cost per token at every level,
+    and the fault-free runs' spread at the same token counts ((highest - lowest) / lowest of
+    their losses): a cost smaller than that spread is not resolved by these runs."""
+    names = list(dict.fromkeys(t["row"] for t in table))
+    rows = []
+    for name in names:
+        runs = [t for t in table if t["row"] == name]
+        at = []
+        for i, level in enumerate(runs[0]["at"]):
+            costs = [t["at"][i]["vs_none"] for t in runs]
+            at.append({"tokens": level["tokens"], "vs_none_mean": round(sum(costs) / len(costs), 4),
+                       "vs_none_min": min(costs), "vs_none_max": max(costs)})
+        rows.append({"row": name, "repeats": len(runs), "at": at})
+    clean = [t for t in table if t["row"] == "none"]
+    spread = []
+    for i, level in enumerate(clean[0]["at"]):
+        losses = [t["at"][i]["eval_loss"] for t in clean]
+        spread.append({"tokens": level["tokens"], "lowest": min(losses), "highest": max(losses),
+                       "spread": round(max(losses) / min(losses) - 1, 4)})
+    return {"rows": rows, "fault_free_spread": spread}
+
+
+def print_tables(rows: list[dict], table: list[dict], summ: dict) -> None:
+    print("| faults | repeat | final eval loss | vs none | tokens merged | goodput | waiting | restarting | refused stale |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = {r.get("repeat", 0): r for r in rows if r["row"] == "none"}
     for r in rows:
         w = r.get("waste") or {}
-        print(f"| {r['row']} | {r['final_eval_loss']:.4f} | {r['final_eval_loss'] / base['final_eval_loss'] - 1:+.2%} | "
+        ref = base[r.get("repeat", 0)]["final_eval_loss"]
+        print(f"| {r['row']} | {r.get('repeat', 0)} | {r['final_eval_loss']:.4f} | {r['final_eval_loss'] / ref - 1:+.2%} | "
               f"{r['tokens_merged']:,} | {chaos.fmt(r['goodput'])} | {chaos.fmt(w.get('waiting'))} | "
               f"{chaos.fmt(w.get('restarting'))} | {chaos.fmt(w.get('refused_stale'))} |")
     print()
     levels = table[0]["at"]
-    print("| faults | " + " | ".join(f"loss at {a['tokens']:,} tokens (vs none)" for a in levels) + " |")
-    print("|---|" + "---:|" * len(levels))
+    print("| faults | repeat | " + " | ".join(f"loss at {a['tokens']:,} tokens (vs none)" for a in levels) + " |")
+    print("|---|---:|" + "---:|" * len(levels))
     for t in table:
-        print(f"| {t['row']} | " + " | ".join(f"{a['eval_loss']:.4f} ({a['vs_none']:+.2%})" for a in t["at"]) + " |")
+        print(f"| {t['row']} | {t['repeat']} | " + " | ".join(f"{a['eval_loss']:.4f} ({a['vs_none']:+.2%})" for a in t["at"]) + " |")
+    print()
+    print("| faults | repeats | " + " | ".join(f"vs none at {a['tokens']:,} tokens: mean [lowest, highest]" for a in levels) + " |")
+    print("|---|---:|" + "---:|" * len(levels))
+    for r in summ["rows"]:
+        print(f"| {r['row']} | {r['repeats']} | " + " | ".join(
+            f"{a['vs_none_mean']:+.2%} [{a['vs_none_min']:+.2%}, {a['vs_none_max']:+.2%}]" for a in r["at"]) + " |")
+    print("| (fault-free spread) | | " + " | ".join(f"{a['spread']:.2%}" for a in summ["fault_free_spread"]) + " |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default=None, help=f"comma-separated rows to run, of {', '.join(ROWS)} (default: all four; "
                     "none is always run, as the reference)")
     ap.add_argument("--seconds", type=float, default=None, help="training budget per run (outer kills move to half of it)")
+    ap.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved; repeat r with run seed r")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--out", type=pathlib.Path, default=None, help="run folders (default: a new folder under /tmp)")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
@@ -96,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown rows {unknown}; expected some of {list(ROWS)}")
     names = ["none"] + [n for n in names if n != "none"]
+    if not 1 <= args.repeats <= 20:
+        ap.error(f"--repeats {args.repeats}: expected 1 to 20 (each is a run of every row)")
     s = chaos.bench_settings(args.quick, args.device)
     if args.seconds:  # as bench/chaos.py --seconds
         s.seconds = args.seconds
@@ -104,25 +150,33 @@ def main(argv: list[str] | None = None) -> int:
     prov = cb.start_provenance(args.allow_dirty or args.quick, "chaos_ablation")
     out = args.out or pathlib.Path(f"/tmp/ddiloco-bench-chaos-ablation-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"chaos ablation: M={s.learners}, T={s.seconds:g}s, step >= {s.step_seconds:g}s; rows {names}", file=sys.stderr)
+    print(f"chaos ablation: M={s.learners}, T={s.seconds:g}s, step >= {s.step_seconds:g}s; rows {names}, "
+          f"{args.repeats} repeat(s)", file=sys.stderr)
     rows = []
-    for name in names:
-        print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-        row = chaos.run_ddiloco(s, out / name, sync=False, chaos=bool(ROWS[name]), families=ROWS[name])
-        rows.append({"row": name, **row})
+    for repeat in range(args.repeats):
+        for name in names:
+            print(f"[{time.strftime('%H:%M:%S')}] {name} (repeat {repeat}, seed {repeat}) ...", file=sys.stderr, flush=True)
+            folder = out / name if args.repeats == 1 else out / f"{name}-{repeat}"
+            row = chaos.run_ddiloco(s, folder, sync=False, chaos=bool(ROWS[name]), families=ROWS[name], seed=repeat)
+            rows.append({"row": name, "repeat": repeat, "seed": repeat, **row})
     table = equal_token_table(rows)
+    summ = summary(table)
     doc = {
-        "command": "python bench/chaos_ablation.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/chaos_ablation.py" + (" --quick" if args.quick else "")
+        + (f" --rows {','.join(names)}" if args.rows else "") + (f" --repeats {args.repeats}" if args.repeats > 1 else ""),
         "settings": vars(s),
         "provenance": cb.finish_provenance(prov),
         "rows": rows,
         "equal_tokens": table,
+        "repeats": args.repeats,
+        "summary": summ,
         "argv": shlex.join(sys.argv),
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / ("chaos_ablation-quick.json" if args.quick else "chaos_ablation.json")
+    name = "chaos_ablation" + ("-quick" if args.quick else "") + (f"-repeats{args.repeats}" if args.repeats > 1 else "")
+    path = args.results_dir / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    print_tables(rows, table)
+    print_tables(rows, table, summ)
     print(f"results: {path}")
     return 0
 

@@ -54,6 +54,34 @@ def test_the_cost_per_token_is_read_at_equal_tokens_against_the_fault_free_row(a
     assert [a["vs_none"] for a in table[1]["at"]] == [0.02, 0.02, 0.02]
 
 
+def test_each_run_is_read_against_the_fault_free_run_of_its_own_repeat(ablation):
+    # two repeats: the second's fault-free run is 10% above the first's everywhere (run-to-run
+    # noise); its faulty run is 2% above its own fault-free run, the first repeat's 4%
+    def curve(scale, end):
+        return [(t, scale * (3.0 - t / 1e6)) for t in range(0, end + 1, 100_000)]
+
+    rows = [{"row": "none", "repeat": 0, "tokens_merged": 2_000_000, "loss_curve": curve(1.0, 2_000_000)},
+            {"row": "all", "repeat": 0, "tokens_merged": 1_600_000, "loss_curve": curve(1.04, 1_600_000)},
+            {"row": "none", "repeat": 1, "tokens_merged": 2_000_000, "loss_curve": curve(1.1, 2_000_000)},
+            {"row": "all", "repeat": 1, "tokens_merged": 1_800_000, "loss_curve": curve(1.1 * 1.02, 1_800_000)}]
+    table = ablation.equal_token_table(rows)
+    assert [t["at"][-1]["tokens"] for t in table] == [1_600_000] * 4  # the fewest tokens of any run
+    assert [[a["vs_none"] for a in t["at"]] for t in table] == [[0.0] * 3, [0.04] * 3, [0.0] * 3, [0.02] * 3]
+    summ = ablation.summary(table)
+    (clean, faulty) = summ["rows"]
+    assert clean["row"] == "none" and faulty["row"] == "all" and faulty["repeats"] == 2
+    assert faulty["at"][0] == {"tokens": 800_000, "vs_none_mean": 0.03, "vs_none_min": 0.02, "vs_none_max": 0.04}
+    # the fault-free runs' own spread: 10% at every level, larger than either cost
+    assert [a["spread"] for a in summ["fault_free_spread"]] == [0.1, 0.1, 0.1]
+    assert summ["fault_free_spread"][-1]["lowest"] == round(3.0 - 1.6, 4)
+
+
+def test_repeats_outside_what_a_bench_can_run_are_refused(ablation, capsys):
+    with pytest.raises(SystemExit):
+        ablation.main(["--repeats", "0"])
+    assert "--repeats 0: expected 1 to 20" in capsys.readouterr().err
+
+
 def test_the_smoke_form_runs_and_writes_its_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "chaos_ablation.py"), "--quick", "--rows", "none", "--seconds", "10",
@@ -62,11 +90,12 @@ def test_the_smoke_form_runs_and_writes_its_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "results" / "chaos_ablation-quick.json").read_text())
-    assert doc["command"] == "python bench/chaos_ablation.py --quick"
+    assert doc["command"] == "python bench/chaos_ablation.py --quick --rows none"
+    assert doc["repeats"] == 1 and doc["summary"]["fault_free_spread"][-1]["spread"] == 0.0
     assert_provenance(doc["provenance"])
     (row,) = doc["rows"]
     assert row["row"] == "none" and row["faults"] == "none" and row["faults_injected"] == 0
     assert row["tokens_merged"] > 0 and row["final_eval_loss"] > 0
     assert row["acked_deltas_lost"] == 0 and row["deltas_applied_twice"] == 0
     assert doc["equal_tokens"][0]["at"][-1]["vs_none"] == 0.0
-    assert "| faults | final eval loss |" in proc.stdout
+    assert "| faults | repeat | final eval loss |" in proc.stdout and "(fault-free spread)" in proc.stdout
