@@ -113,6 +113,43 @@ def test_inspect_reports_versions_tokens_learners_and_norms(run):
     assert set(s["learners"]) == {"0", "1"}
 
 
+def _save_membership(folder, cfg, groups: dict[int, tuple[int, str]]) -> None:
+    """The coordinator's own persistence writes RUN/coordinator/state.json with these
+    members (learner id -> (ranks, datacenter)), as a running coordinator saves it."""
+    from ddiloco.coordinator.membership import MemberRecord, Membership
+
+    membership = Membership(cfg, folder / "coordinator" / "state.json")
+    for learner_id, (ranks, dc) in groups.items():
+        membership.members[learner_id] = MemberRecord(learner_id=learner_id, shard_index=learner_id, ranks=ranks, datacenter=dc)
+    membership.save()
+
+
+def test_inspect_of_a_run_folder_shows_each_learners_group_size_from_the_coordinator(run, capsys):
+    folder, _, cfg = run
+    # learner 0 is a group of 4 ranks, learner 1 a single process; learner 2 joined and has
+    # merged nothing yet: it is listed too
+    _save_membership(folder, cfg, {0: (4, "dc0"), 1: (1, "dc1"), 2: (2, "dc2")})
+    s = inspect_cmd.summary(load(folder), *inspect_cmd.run_members(folder))
+    assert s["membership"] == "coordinator state" and s["membership_error"] is None
+    assert {k: (v["ranks"], v["datacenter"]) for k, v in s["learners"].items()} == {"0": (4, "dc0"), "1": (1, "dc1"), "2": (2, "dc2")}
+    assert s["learners"]["2"]["merged"] == 0 and s["learners"]["0"]["merged"] > 0
+    assert inspect_cmd.main(argparse.Namespace(source=folder, version=None, json=False)) == 0
+    text = capsys.readouterr().out
+    assert "0: 2 merged (4 ranks, dc0)" in text and "1: 3 merged (1 rank, dc1)" in text and "2: 0 merged (2 ranks, dc2)" in text
+
+
+def test_a_checkpoint_alone_has_no_group_sizes_and_an_unreadable_state_is_named(run, capsys):
+    folder, _, cfg = run
+    s = inspect_cmd.summary(load(folder), *inspect_cmd.run_members(folder))  # no coordinator state saved
+    assert s["membership"] is None and all("ranks" not in v for v in s["learners"].values())
+    (folder / "coordinator").mkdir()
+    (folder / "coordinator" / "state.json").write_text("{not json")
+    assert inspect_cmd.main(argparse.Namespace(source=folder, version=None, json=False)) == 0  # the model still reads
+    text = capsys.readouterr().out
+    assert f"membership     {folder / 'coordinator' / 'state.json'}: unreadable (JSONDecodeError" in text
+    assert "0: 2 merged" in text and "rank" not in text.split("membership")[0]
+
+
 def test_a_missing_or_foreign_source_is_one_precise_error(tmp_path, capsys):
     args = argparse.Namespace(source=tmp_path / "nothing", version=None, out=tmp_path / "m.safetensors")
     assert export_cmd.main(args) == 2

@@ -2,7 +2,9 @@
 
 Versions, tokens merged, fragments, learners, and per tensor its shape, parameter norm and
 momentum norm: enough to see whether a checkpoint is the one you expect and whether the
-model or the outer momentum blew up.
+model or the outer momentum blew up. Given a run folder, each learner's group size and
+datacenter come from the coordinator's saved state (``RUN/coordinator/state.json``): a
+checkpoint holds only what the outer optimizer knows, and group sizes are the coordinator's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import pathlib
 import sys
 
+from ddiloco.coordinator.membership import saved_members
 from ddiloco.modelio.source import GlobalModel, SourceError, load
 
 
@@ -22,7 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def summary(g: GlobalModel) -> dict:
+def run_members(source: pathlib.Path) -> tuple[dict[int, dict] | None, str | None]:
+    """(each learner's record in the run's saved coordinator state, why there is none): a
+    run folder whose coordinator saved its state gives the records; a checkpoint folder or
+    an export gives (None, None); a state file that cannot be read gives (None, the reason),
+    and the model is still inspected."""
+    path = source / "coordinator" / "state.json"
+    if not path.is_file():
+        return None, None
+    try:
+        return saved_members(path), None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
+
+
+def summary(g: GlobalModel, members: dict[int, dict] | None = None, members_error: str | None = None) -> dict:
     tensors = []
     for name, t in g.params.items():
         m = g.momentum.get(name)
@@ -41,6 +58,10 @@ def summary(g: GlobalModel) -> dict:
         k: {"merged": v.get("merged"), "tokens_merged": sum((v.get("tokens_merged") or {}).values())}
         for k, v in st.get("learners", {}).items()
     }
+    for learner_id, rec in (members or {}).items():
+        # a member that has merged nothing yet is listed too: it holds a place in the run
+        entry = learners.setdefault(str(learner_id), {"merged": 0, "tokens_merged": 0})
+        entry.update(ranks=rec["ranks"], datacenter=rec["datacenter"])
     return {
         "source": g.origin,
         "run_id": g.run_id,
@@ -55,6 +76,8 @@ def summary(g: GlobalModel) -> dict:
         "all_finite": all(x["finite"] for x in tensors),
         "fragments": fragments,
         "learners": learners,
+        "membership": "coordinator state" if members is not None else None,
+        "membership_error": members_error,
         "tensors": tensors,
     }
 
@@ -72,7 +95,9 @@ def _text(s: dict) -> str:
     if s["fragments"]:
         out.append("fragments      " + "  ".join(f"#{f['index']}: v{f['version']}, {f['tokens_merged']:,} tok" for f in s["fragments"]))
     if s["learners"]:
-        out.append("learners       " + "  ".join(f"{k}: {v['merged']} merged" for k, v in sorted(s["learners"].items(), key=lambda kv: int(kv[0]))))
+        out.append("learners       " + "  ".join(_learner(k, v) for k, v in sorted(s["learners"].items(), key=lambda kv: int(kv[0]))))
+    if s.get("membership_error"):
+        out.append(f"membership     {s['membership_error']}")
     width = max(len(t["name"]) for t in s["tensors"]) if s["tensors"] else 4
     out.append("")
     out.append(f"{'tensor'.ljust(width)}  {'shape':>14}  {'norm':>10}  {'max |x|':>9}  {'momentum':>10}")
@@ -82,9 +107,17 @@ def _text(s: dict) -> str:
     return "\n".join(out)
 
 
+def _learner(k: str, v: dict) -> str:
+    text = f"{k}: {v['merged']} merged"
+    if "ranks" in v:
+        text += f" ({v['ranks']} rank{'s' if v['ranks'] != 1 else ''}" + (f", {v['datacenter']}" if v["datacenter"] else "") + ")"
+    return text
+
+
 def main(args: argparse.Namespace) -> int:
+    members, members_error = run_members(args.source) if args.source.is_dir() else (None, None)
     try:
-        s = summary(load(args.source, args.version))
+        s = summary(load(args.source, args.version), members, members_error)
     except SourceError as exc:
         print(f"ddiloco inspect: error: {exc}", file=sys.stderr)
         return 2
