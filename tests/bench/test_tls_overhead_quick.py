@@ -17,5 +17,5 @@ def test_quick_form_measures_both_modes(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| plaintext |" in proc.stdout and "| mtls |" in proc.stdout
-    assert "TLS overhead:" in proc.stdout
+    assert "TLS overhead:" in proc.stdout and "median of 2 pairs" in proc.stdout
     assert not (tmp_path / "r.json").exists()  # the smoke form writes no result
