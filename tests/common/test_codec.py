@@ -150,3 +150,11 @@ def test_nan_inside_a_valid_payload_is_refused():
     payload = zstandard.ZstdCompressor().compress(raw)
     with pytest.raises(codec.CodecError, match="NaN or Inf"):
         codec.decode(payload, "fp32", 64, (codec.TensorSpec("x", (3,)),), hashlib.sha256(payload).hexdigest(), fmt=1)
+
+
+def test_a_specs_element_count_is_exact_and_never_wraps():
+    assert codec.TensorSpec("scalar", ()).numel == 1
+    assert codec.TensorSpec("w", (10, 31)).numel == 310
+    # past int64 a wrapped product could pass a size check it must fail
+    assert codec.TensorSpec("huge", (2**40, 2**40)).numel == 2**80
+    assert codec.TensorSpec("np", (np.int64(2**40), np.int64(2**40))).numel == 2**80
