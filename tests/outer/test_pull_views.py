@@ -45,41 +45,6 @@ def test_an_evicted_learner_gets_the_full_fragment_and_recent_ones_keep_their_vi
     assert base == -1, "an evicted learner must get the full fragment"
 
 
-def test_one_learners_encode_does_not_hold_up_anothers(monkeypatch):
-    """Every learner pulls right after a merge: the views' lock must not be held while a
-    download is encoded, or the downloads wait for each other in turn. Learner 1's encode
-    is held inside the codec (an instrumented ``codec.encode`` that blocks on an event,
-    standing in for a large fragment's encode); learner 2's download must complete
-    meanwhile."""
-    from ddiloco.common import codec
-
-    views = DownloadViews("int8", 64, max_learners=4)
-    views.encode_for(1, 0, -1, 1, _arrays(1))
-    real_encode = codec.encode
-    inside, release = threading.Event(), threading.Event()
-
-    def held_encode(arrays, name="fp32", block_size=64):
-        if threading.current_thread().name == "learner-1":
-            inside.set()
-            release.wait(30)
-        return real_encode(arrays, name, block_size)
-
-    monkeypatch.setattr(codec, "encode", held_encode)
-    first = threading.Thread(target=views.encode_for, args=(1, 0, 1, 2, _arrays(2)), name="learner-1")
-    first.start()
-    try:
-        assert inside.wait(30)
-        other = threading.Thread(target=views.encode_for, args=(2, 0, -1, 2, _arrays(2)), name="learner-2")
-        other.start()
-        other.join(30)
-        assert not other.is_alive(), "learner 2's download waited for learner 1's encode"
-    finally:
-        release.set()
-        first.join(30)
-    _, base = views.encode_for(1, 0, 2, 3, _arrays(3))
-    assert base == 2, "learner 1's view was stored after its encode"
-
-
 def test_downloads_encoded_at_once_equal_those_encoded_one_by_one():
     def pulls(views, learner):
         out = []

@@ -64,28 +64,23 @@ class DownloadViews:
     ) -> tuple[codec.Encoded, int]:
         """Returns (payload, base_version): base -1 means a full fp32 fragment.
 
-        The lock covers only the lookup and the update of the views, not the encode: every
-        learner pulls after a merge, and encoding under the lock made their downloads wait
-        for each other in turn. A remembered copy is never changed in place (a download makes
-        a new one), so reading it outside the lock is safe. Two pulls of the same learner and
-        fragment at once (a retry racing the original) each send a download consistent with
-        the copy it started from; the view keeps the last one stored, and a learner holding
-        the other copy gets the full fragment on its next pull, as after a rejoin."""
+        The encode runs under the lock, so the learners pulling after a merge are encoded
+        one at a time. Encoding outside it was tried and measured slower on two cores
+        (``bench/outer_throughput.py``, two alternating runs each: outer CPU per delta up by
+        20-50%, deltas per second down): sixteen threads then contend for the interpreter lock
+        instead of taking turns."""
         with self._lock:
-            copies = self._fragments_of(learner_id).get(fragment, {})
+            views = self._fragments_of(learner_id)
+            copies = views.get(fragment, {})
             base = copies.get(have_version) if have_version >= 0 else None
-        if base is None or self.codec == "fp32":
-            enc = codec.encode(arrays, "fp32")
-            self._store(learner_id, fragment, {version: [a.copy() for _, a in arrays]})
-            return enc, -1
-        diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
-        enc = codec.encode(diff, self.codec, self.block_size)
-        sent = codec.decode_encoded(enc)
-        new_copy = [b + d for b, (_, d) in zip(base, sent)]
-        # keep the learner's current copy too: if this download is lost, it asks again from it
-        self._store(learner_id, fragment, {have_version: base, version: new_copy})
-        return enc, have_version
-
-    def _store(self, learner_id: int, fragment: int, copies: dict[int, list[np.ndarray]]) -> None:
-        with self._lock:
-            self._fragments_of(learner_id)[fragment] = copies
+            if base is None or self.codec == "fp32":
+                enc = codec.encode(arrays, "fp32")
+                views[fragment] = {version: [a.copy() for _, a in arrays]}
+                return enc, -1
+            diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
+            enc = codec.encode(diff, self.codec, self.block_size)
+            sent = codec.decode_encoded(enc)
+            new_copy = [b + d for b, (_, d) in zip(base, sent)]
+            # keep the learner's current copy too: if this download is lost, it asks again from it
+            views[fragment] = {have_version: base, version: new_copy}
+            return enc, have_version
