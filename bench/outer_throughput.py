@@ -36,7 +36,6 @@ import argparse
 import json
 import pathlib
 import secrets
-import statistics
 import sys
 import tempfile
 import threading

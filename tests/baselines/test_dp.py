@@ -4,7 +4,6 @@ model on real text; the ranks stay bit-identical and the loss goes down."""
 from __future__ import annotations
 
 import json
-import pathlib
 import signal
 import subprocess
 import sys

@@ -12,7 +12,6 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-import time
 
 import grpc
 import pytest

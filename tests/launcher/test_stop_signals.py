@@ -6,7 +6,6 @@ at once and every service it had started trained on alone. Real processes, real 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess

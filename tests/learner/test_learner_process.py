@@ -21,7 +21,7 @@ from ddiloco.common.rpc import channel
 from ddiloco.launcher.processes import Cluster
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from outer_fake import CORRUPT, FakeOuter
-from support import TINY_RUN, wait_until
+from support import TINY_RUN
 
 
 def _events(cluster: Cluster, kind: str) -> list[dict]:

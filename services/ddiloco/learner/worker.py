@@ -342,8 +342,8 @@ class Learner:
         copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
-        for f, copy in enumerate(copies):
-            self._fold(f, copy)
+        for f, pulled in enumerate(copies):
+            self._fold(f, pulled)
         if self.ranks > 1:
             self.group = Group(self.ranks, self.device, self.options.threads)
             setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
@@ -372,14 +372,14 @@ class Learner:
 
     # ------------------------------------------------------------------ training
     @torch.no_grad()
-    def _fold(self, fragment: int, copy: FragmentCopy) -> None:
+    def _fold(self, fragment: int, pulled: FragmentCopy) -> None:
         """params <- G + (params - anchor); anchor <- G, for one fragment's tensors."""
-        assert copy.arrays is not None
-        for i, (_, g) in zip(self.fragments[fragment], copy.arrays):
+        assert pulled.arrays is not None
+        for i, (_, g) in zip(self.fragments[fragment], pulled.arrays):
             g_t = torch.from_numpy(g).to(self.device)
             self.params[i].add_(g_t - self.anchor[i])
             self.anchor[i].copy_(g_t)
-        self.versions[fragment] = copy.version
+        self.versions[fragment] = pulled.version
 
     def _lr(self, step: int) -> float:
         warm = self.config.learner.warmup_steps
@@ -402,17 +402,17 @@ class Learner:
         resend: set[int] = set()  # fragments the group's other ranks must receive again
         last = time.perf_counter()
         while not self.drain.is_set():
-            for f, copy in self.puller.take().items():
-                if copy.version > self.versions[f]:
-                    self._fold(f, copy)
+            for f, pulled in self.puller.take().items():
+                if pulled.version > self.versions[f]:
+                    self._fold(f, pulled)
                     resend.add(f)
-                if lcfg.align_windows and not lcfg.sync and copy.lead_s > 0 and step_wall and not extended[f]:
+                if lcfg.align_windows and not lcfg.sync and pulled.lead_s > 0 and step_wall and not extended[f]:
                     # phase alignment: this learner's last delta of fragment f waited lead_s
                     # for the last peer of its merge. End the window in progress later by
                     # half that (damped: the peers move too), at most H/2 steps, so that
                     # learners of equal speed come to send together and merge together
                     # without anyone waiting (docs/algorithm.md)
-                    extra = min(self.inner_steps // 2, int(round(copy.lead_s / 2 / step_wall)))
+                    extra = min(self.inner_steps // 2, int(round(pulled.lead_s / 2 / step_wall)))
                     if extra > 0:
                         next_due[f] += extra
                         extended[f] = True
