@@ -56,11 +56,16 @@ ROWS = {"none": (), "learners": ("learners",), "outer": ("outer",), "all": chaos
 LEVELS = (0.5, 0.75, 1.0)  # fractions of the fewest tokens any row merged
 
 
+def fault_free_by_repeat(rows: list[dict]) -> dict[int, dict]:
+    """The ``none`` run of each repeat (results written before repeats existed: repeat 0)."""
+    return {r.get("repeat", 0): r for r in rows if r["row"] == "none"}
+
+
 def equal_token_table(rows: list[dict]) -> list[dict]:
     """Per run, its eval loss at equal tokens merged and its ratio to the ``none`` run of the
     same repeat, at ``LEVELS`` of the fewest tokens merged by any run (every curve reaches
     them, so every repeat is read at the same token counts)."""
-    base = {r.get("repeat", 0): r for r in rows if r["row"] == "none"}
+    base = fault_free_by_repeat(rows)
     fewest = min(r["tokens_merged"] for r in rows)
     out = []
     for r in rows:
@@ -101,7 +106,7 @@ def summary(table: list[dict]) -> dict:
 def print_tables(rows: list[dict], table: list[dict], summ: dict) -> None:
     print("| faults | repeat | final eval loss | vs none | tokens merged | goodput | waiting | restarting | refused stale |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    base = {r.get("repeat", 0): r for r in rows if r["row"] == "none"}
+    base = fault_free_by_repeat(rows)
     for r in rows:
         w = r.get("waste") or {}
         ref = base[r.get("repeat", 0)]["final_eval_loss"]

@@ -417,15 +417,9 @@ def saved_progress(state_path: pathlib.Path) -> tuple[str, float, int]:
     return STATE_NAMES.get(doc["state"], str(doc["state"])), float(doc["elapsed"]), tokens
 
 
-def saved_members(state_path: pathlib.Path) -> dict[int, dict]:
-    """Per learner id, what a run's saved coordinator state says of it: its group size
-    (``ranks``), its datacenter, its incarnation, whether it left. Raises ``OSError`` or
-    ``ValueError`` when the file cannot be read as a state file."""
+def saved_members(state_path: pathlib.Path) -> dict[int, MemberRecord]:
+    """Per learner id, its record in a run's saved coordinator state, read as a restarted
+    coordinator reads it (``Membership._load``). Raises ``OSError``, ``ValueError``,
+    ``KeyError`` or ``TypeError`` when the file cannot be read as a state file."""
     doc = json.loads(state_path.read_text())
-    out = {}
-    for m in doc["members"]:
-        out[int(m["learner_id"])] = {
-            "ranks": int(m.get("ranks", 1)), "datacenter": str(m.get("datacenter", "")),
-            "incarnation": int(m.get("incarnation", 0)), "left": bool(m.get("left", False)),
-        }
-    return out
+    return {int(m["learner_id"]): MemberRecord(**m) for m in doc["members"]}

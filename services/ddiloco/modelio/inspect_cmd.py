@@ -15,7 +15,7 @@ import math
 import pathlib
 import sys
 
-from ddiloco.coordinator.membership import saved_members
+from ddiloco.coordinator.membership import MemberRecord, saved_members
 from ddiloco.modelio.source import GlobalModel, SourceError, load
 
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
-def run_members(source: pathlib.Path) -> tuple[dict[int, dict] | None, str | None]:
+def run_members(source: pathlib.Path) -> tuple[dict[int, MemberRecord] | None, str | None]:
     """(each learner's record in the run's saved coordinator state, why there is none): a
     run folder whose coordinator saved its state gives the records; a checkpoint folder or
     an export gives (None, None); a state file that cannot be read gives (None, the reason),
@@ -39,7 +39,7 @@ def run_members(source: pathlib.Path) -> tuple[dict[int, dict] | None, str | Non
         return None, f"{path}: unreadable ({type(exc).__name__}: {exc})"
 
 
-def summary(g: GlobalModel, members: dict[int, dict] | None = None, members_error: str | None = None) -> dict:
+def summary(g: GlobalModel, members: dict[int, MemberRecord] | None = None, members_error: str | None = None) -> dict:
     tensors = []
     for name, t in g.params.items():
         m = g.momentum.get(name)
@@ -61,7 +61,7 @@ def summary(g: GlobalModel, members: dict[int, dict] | None = None, members_erro
     for learner_id, rec in (members or {}).items():
         # a member that has merged nothing yet is listed too: it holds a place in the run
         entry = learners.setdefault(str(learner_id), {"merged": 0, "tokens_merged": 0})
-        entry.update(ranks=rec["ranks"], datacenter=rec["datacenter"])
+        entry.update(ranks=rec.ranks, datacenter=rec.datacenter)
     return {
         "source": g.origin,
         "run_id": g.run_id,
