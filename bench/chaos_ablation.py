@@ -29,10 +29,12 @@ cost must clear.
 
     python bench/chaos_ablation.py            # M = 8, T = 300 s, emulated 0.1 s steps, ~23 minutes
     python bench/chaos_ablation.py --rows none,all --repeats 3   # ~33 minutes
+    python bench/chaos_ablation.py --rows none,learners,outer --repeats 3   # each family alone; ~50 minutes
     python bench/chaos_ablation.py --quick    # the smoke form: M = 2, T = 30 s, rows none and all
 
-Writes ``bench/results/chaos_ablation.json`` (``chaos_ablation-quick.json`` with --quick,
-``chaos_ablation-repeats3.json`` with --repeats 3).
+Writes ``bench/results/chaos_ablation.json``; ``--quick`` adds ``-quick`` to the name,
+``--rows`` the rows (``chaos_ablation-none-all-repeats3.json`` for the second command above),
+``--repeats R`` ``-repeatsR``.
 Runs alone on the machine, like every bench (``bench/common_bench.py``).
 """
 
@@ -178,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         "argv": shlex.join(sys.argv),
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    name = "chaos_ablation" + ("-quick" if args.quick else "") + (f"-repeats{args.repeats}" if args.repeats > 1 else "")
+    # the rows chosen name the file, so ablations of different families do not overwrite each other
+    name = ("chaos_ablation" + ("-quick" if args.quick else "") + ("-" + "-".join(names) if args.rows else "")
+            + (f"-repeats{args.repeats}" if args.repeats > 1 else ""))
     path = args.results_dir / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print_tables(rows, table, summ)

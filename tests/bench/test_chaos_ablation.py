@@ -89,7 +89,7 @@ def test_the_smoke_form_runs_and_writes_its_json(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "results" / "chaos_ablation-quick.json").read_text())
+    doc = json.loads((tmp_path / "results" / "chaos_ablation-quick-none.json").read_text())
     assert doc["command"] == "python bench/chaos_ablation.py --quick --rows none"
     assert doc["repeats"] == 1 and doc["summary"]["fault_free_spread"][-1]["spread"] == 0.0
     assert_provenance(doc["provenance"])
