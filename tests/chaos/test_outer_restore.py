@@ -72,6 +72,25 @@ def test_restart_rebuilds_every_published_version_and_applies_nothing_twice(tmp_
     assert restarted.merge(0) and restarted.version == 9
 
 
+def test_a_delta_replayed_from_the_journal_is_pending_but_not_counted_as_re_sent(tmp_path):
+    """The restart hold waits for what learners send after the restart (outer/decision.py):
+    a delta acknowledged before the crash is merged, but does not stand for the work its
+    learner trained during the outage."""
+    cfg = _config(checkpoint_every=100)
+    state = OuterState(cfg, tmp_path)
+    _push(state, 0, 1, 0, seed=1)  # acknowledged and journaled, not merged
+    assert state.resent_learners() == [{0}], "a delta accepted by this process counts"
+
+    restarted = OuterState(cfg, tmp_path)
+    assert restarted.pending_learners() == [{0}], "the acknowledged delta is pending again"
+    assert restarted.resent_learners() == [set()], "but it was not re-sent"
+    _push(restarted, 1, 1, 0, seed=2)
+    _push(restarted, 0, 2, 0, seed=3)  # learner 0's work from the outage
+    assert restarted.resent_learners() == [{0, 1}]
+    assert restarted.merge(0) and restarted.version == 1
+    assert restarted.pending_learners() == [set()], "the replayed delta merged with the re-sent ones"
+
+
 def test_a_torn_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     cfg = _config(checkpoint_every=2)
     state = OuterState(cfg, tmp_path)

@@ -172,3 +172,29 @@ def test_a_stale_delta_is_a_final_answer_recorded_and_the_next_window_goes_on(ou
     assert [a.seq for a in outer.accepted] == [2]
     refused = events(up.metrics_path, "upload_refused")
     assert [(e["seq"], e["code"], e["tokens"]) for e in refused] == [(1, "FAILED_PRECONDITION", 50)]
+
+
+def test_an_outer_optimizer_at_a_new_address_ends_a_retry_backoff_at_once(outer, rig):  # noqa: F811
+    """After an outer restart the learner learns the new address from its next heartbeat; an
+    upload that failed against the old one is retried then, not when its backoff runs out
+    (every second of delay is work trained on the pre-outage base, docs/chaos.md)."""
+    outer.push_script.append(S.UNAVAILABLE)
+    up, sup = rig.uploader(outer)
+    up.backoff_initial_s = up.backoff_max_s = 120.0  # a retry left to its backoff waits >= 60 s
+    up.submit(window(1.0))
+    wait_until(lambda: len(outer.push_attempts) == 1, 10, "the first, refused attempt")
+    up.outer_changed()
+    assert up.flush(10), "retried at once after the change"
+    assert [a.seq for a in outer.accepted] == [1] and not sup.failed.is_set()
+
+
+def test_stopping_ends_a_retry_backoff_at_once(outer, rig):  # noqa: F811
+    outer.push_script.extend([S.UNAVAILABLE] * 5)
+    up, sup = rig.uploader(outer)
+    up.backoff_initial_s = up.backoff_max_s = 120.0
+    up.submit(window(1.0))
+    wait_until(lambda: len(outer.push_attempts) == 1, 10, "the first, refused attempt")
+    up.stop()
+    up.thread.join(10)
+    assert not up.thread.is_alive(), "the upload thread left its backoff when stopped"
+    assert outer.accepted == [] and len(outer.push_attempts) == 1

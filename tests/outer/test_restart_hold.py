@@ -6,9 +6,11 @@ time (docs/chaos.md, "Which faults cost what").
 
 Real processes: a coordinator and an outer optimizer; three learner ids registered over
 gRPC, two of them heartbeating from this test, the third silent but still holding its lease
-(the lease timeout is 60 s). The outer optimizer is SIGKILLed with a delta pending and
-started again; the second heartbeating learner sends its delta; the merge must come at once,
-not when the hold runs out."""
+(the lease timeout is 60 s). The outer optimizer is SIGKILLed with a delta of the first
+learner pending and started again. The second heartbeating learner sends its delta: the
+replayed delta of the first does not stand for what the first trained during the outage,
+so nothing merges yet. Then the first re-sends: the merge must come at once, not when the
+hold runs out."""
 
 from __future__ import annotations
 
@@ -96,15 +98,24 @@ def test_a_learner_that_stopped_heartbeating_does_not_hold_the_merges_after_a_re
         )
         b = Remote(cluster.outer_address, "hold", b_id)
         assert b.status().pending_deltas == 1, "the journaled delta is pending again after the restart"
-        # its header reports no compute time, so no step time is known and the grace window
+        # the headers report no compute time, so no step time is known and the grace window
         # after the hold is 0 (outer/timing.py): once the hold ends, the merge is immediate
         b.push(seq=1, seed=2, base=0)
+        # the merge loop looks every 0.25 s: had the replayed delta counted as a's, the hold
+        # would have ended and merged within this window (the rule before this test's second
+        # half existed did exactly that)
+        window_end = time.monotonic() + 1.5
+        while time.monotonic() < window_end:
+            assert b.status().version == 0, "merged before a re-sent the work of its outage"
+            time.sleep(0.1)
+        a = Remote(cluster.outer_address, "hold", a_id)
+        a.push(seq=2, seed=3, base=0)
         sent = time.monotonic()
-        assert sent - restarted < RESTART_GRACE_S / 2, "precondition: the delta arrived while the hold was on"
+        assert sent - restarted < RESTART_GRACE_S / 2, "precondition: the deltas arrived while the hold was on"
         wait_until(lambda: b.status().version >= 1, RESTART_GRACE_S + 30, "the merge after the restart")
         waited = time.monotonic() - sent
         status = b.status()
-        assert status.pending_deltas == 0, "both deltas merged together"
+        assert status.pending_deltas == 0, "the replayed and the two re-sent deltas merged together"
         assert not beats.errors, beats.errors[:1]
         assert _member(cluster, silent).alive, "the silent learner still held its lease at the merge"
         # the hold runs RESTART_GRACE_S (10 s) from the restart: a hold that waited for the

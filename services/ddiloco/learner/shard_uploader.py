@@ -75,6 +75,10 @@ class ShardedUploader:
         for part in self.parts:
             part.stop()
 
+    def outer_changed(self) -> None:
+        for part in self.parts:
+            part.outer_changed()
+
     def sent_of(self, fragment: int) -> int:
         return self._part(fragment).sent_of(fragment)
 

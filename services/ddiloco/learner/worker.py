@@ -297,6 +297,9 @@ class Learner:
                     self._client = OuterClient(addresses[0], self.run_id, self.learner_id, chunk, security=security)
                 else:
                     self._client = ShardedOuterClient(addresses, self.run_id, self.learner_id, chunk, security=security)
+                uploader = getattr(self, "uploader", None)  # none yet at registration
+                if uploader is not None:
+                    uploader.outer_changed()
 
     def _shard_statuses(self) -> list:
         """Every outer shard's own status (one, when the outer optimizer is one process)."""

@@ -10,7 +10,10 @@ the grace window is tested with made-up times.
 * Restart hold: after a restart, learners re-send what they trained while the outer
   optimizer was down, all from the same base; merges wait (bounded, by the caller) until
   every responsive learner's delta is in (holding a lease and heartbeating: the caller
-  counts them), or the first arrivals merged alone would make the others look stale.
+  counts them), or the first arrivals merged alone would make the others look stale. A
+  delta replayed from the journal does not count: its learner sent it before the crash,
+  and what it trained during the outage is still on the way (the caller passes only the
+  deltas accepted since the restart).
 """
 
 from __future__ import annotations

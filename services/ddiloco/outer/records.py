@@ -79,6 +79,7 @@ class Pending:
     journal_path: pathlib.Path | None
     compute_seconds: float = 0.0
     arrived: float = 0.0  # the state's clock at acceptance (0 for deltas replayed from the journal)
+    replayed: bool = False  # accepted by an earlier process, queued again from the journal
 
 
 @dataclass
@@ -105,6 +106,11 @@ class Fragment:
 
     def pending_learners(self) -> set[int]:
         return {p.learner_id for p in self.pending}
+
+    def resent_learners(self) -> set[int]:
+        """Learners with a pending delta that this process accepted, not one replayed from the
+        journal: what a restart hold waits for (outer/decision.py)."""
+        return {p.learner_id for p in self.pending if not p.replayed}
 
     def tracks(self, base_version: int) -> bool:
         """Whether a delta based on ``base_version`` can still be placed on the staleness clock."""

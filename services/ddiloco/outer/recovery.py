@@ -173,7 +173,7 @@ def requeue(state: "OuterState", journal: Journaled) -> None:
         frag.pending.append(
             Pending(
                 header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
-                header.inner_steps, tensors, path, header.compute_seconds,
+                header.inner_steps, tensors, path, header.compute_seconds, replayed=True,
             )
         )
         state.learners.setdefault(header.learner_id, LearnerRecord()).count_accepted(frag.index, header.seq, header.tokens)

@@ -443,9 +443,13 @@ class OuterService:
                 # down, and merging the first arrivals alone would make the others look stale.
                 # The hold ends as soon as they are all in, so even a process that crashes
                 # every few seconds still merges; a learner that stopped heartbeating is not
-                # waited for (its lease outlives it; known_learners.RESPONSIVE_HEARTBEAT_MS)
+                # waited for (its lease outlives it; known_learners.RESPONSIVE_HEARTBEAT_MS).
+                # Only deltas accepted since this start count: one replayed from the journal
+                # was sent before the crash, and the work its learner trained during the
+                # outage is still on the way (counting replays ended a chaos-bench hold before
+                # three learners' backlogs arrived, and the merge it made refused them as stale)
                 waited_for = min(live, self.known.responsive_count(self.config.learners))
-                if decision.everyone_in(state.pending_learners(), waited_for):
+                if decision.everyone_in(state.resent_learners(), waited_for):
                     self.recovery_until = 0.0
                 else:
                     with state.lock:

@@ -275,6 +275,12 @@ class OuterState:
         with self.lock:
             return [f.pending_learners() for f in self.fragments]
 
+    def resent_learners(self) -> list[set[int]]:
+        """Per fragment, the learners with a pending delta accepted since this process started
+        (journal replays excluded)."""
+        with self.lock:
+            return [f.resent_learners() for f in self.fragments]
+
     def merge(self, fragment: int, force: bool = False) -> bool:
         """Merge the fragment's pending deltas. Without ``force`` the quorum must be met, with
         the planned learners as the live ones (the service decides with ``due_fragments``)."""
