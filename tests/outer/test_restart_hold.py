@@ -102,8 +102,8 @@ def test_a_learner_that_stopped_heartbeating_does_not_hold_the_merges_after_a_re
         # after the hold is 0 (outer/timing.py): once the hold ends, the merge is immediate
         b.push(seq=1, seed=2, base=0)
         # the merge loop looks every 0.25 s: had the replayed delta counted as a's, the hold
-        # would have ended and merged within this window (the rule before this test's second
-        # half existed did exactly that)
+        # would have ended and merged within this window (the former rule, which counted
+        # replays, did exactly that)
         window_end = time.monotonic() + 1.5
         while time.monotonic() < window_end:
             assert b.status().version == 0, "merged before a re-sent the work of its outage"
