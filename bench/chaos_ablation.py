@@ -12,7 +12,10 @@ four ways, one after another:
 * ``learners``: the learner kills alone (SIGKILL every 60 s, restarted 20 s later);
 * ``outer``: the outer-optimizer kills alone (one with a round of deltas pending after a
   freeze, one during a checkpoint write, each restarted 5 s later);
-* ``all``: both, the chaos bench's schedule.
+* ``all``: both, the chaos bench's schedule;
+* ``again``: no faults, a second time: its "cost" against ``none`` of the same seed is what
+  two fault-free runs of the same settings differ by (timing alone decides how many steps a
+  learner adds to a window while it waits), the noise floor measured in the same run.
 
 Reported per row: final eval loss, tokens merged, goodput and its waste; and the eval loss
 at equal tokens merged, relative to the ``none`` row, at three levels (half, three
@@ -30,7 +33,12 @@ cost must clear.
     python bench/chaos_ablation.py            # M = 8, T = 300 s, emulated 0.1 s steps, ~23 minutes
     python bench/chaos_ablation.py --rows none,all --repeats 3   # ~33 minutes
     python bench/chaos_ablation.py --rows none,learners,outer --repeats 3   # each family alone; ~50 minutes
+    python bench/chaos_ablation.py --rows none,all,again --repeats 3   # with its noise floor; ~48 minutes
     python bench/chaos_ablation.py --quick    # the smoke form: M = 2, T = 30 s, rows none and all
+    python bench/chaos_ablation.py --compare A.json B.json   # same row, same seed, B against A
+
+``--compare`` runs nothing: for every row and repeat in both results files (two revisions,
+say) it prints B's eval loss against A's at equal tokens merged, at the same levels.
 
 Writes ``bench/results/chaos_ablation.json``; ``--quick`` adds ``-quick`` to the name,
 ``--rows`` the rows (``chaos_ablation-none-all-repeats3.json`` for the second command above),
@@ -54,7 +62,7 @@ import common_bench as cb  # noqa: E402
 
 ROOT = cb.ROOT
 # row name -> the fault families it holds (chaos.FAMILIES)
-ROWS = {"none": (), "learners": ("learners",), "outer": ("outer",), "all": chaos.FAMILIES}
+ROWS = {"none": (), "learners": ("learners",), "outer": ("outer",), "all": chaos.FAMILIES, "again": ()}
 LEVELS = (0.5, 0.75, 1.0)  # fractions of the fewest tokens any row merged
 
 
@@ -105,6 +113,38 @@ def summary(table: list[dict]) -> dict:
     return {"rows": rows, "fault_free_spread": spread}
 
 
+def compare(a: dict, b: dict) -> list[dict]:
+    """Results file ``b`` against ``a``, run by run: for each (row, repeat) both hold, ``b``'s
+    eval loss relative to ``a``'s at ``LEVELS`` of the fewest tokens merged by any of those runs."""
+    def runs(doc):
+        return {(r["row"], r.get("repeat", 0)): r for r in doc["rows"]}
+    ra, rb = runs(a), runs(b)
+    keys = [k for k in ra if k in rb]
+    if not keys:
+        raise ValueError("the two results files have no (row, repeat) in common")
+    fewest = min(min(ra[k]["tokens_merged"], rb[k]["tokens_merged"]) for k in keys)
+    out = []
+    for k in keys:
+        at = []
+        for level in LEVELS:
+            tokens = int(level * fewest)
+            la = chaos.loss_at_tokens(ra[k]["loss_curve"], tokens)
+            lb = chaos.loss_at_tokens(rb[k]["loss_curve"], tokens)
+            at.append({"tokens": tokens, "a": round(la, 4), "b": round(lb, 4), "b_vs_a": round(lb / la - 1, 4)})
+        out.append({"row": k[0], "repeat": k[1], "at": at})
+    return out
+
+
+def print_compare(table: list[dict], a_name: str, b_name: str) -> None:
+    print(f"B = {b_name} against A = {a_name}, same row and seed, at equal tokens merged")
+    print()
+    print("| row | repeat | " + " | ".join(f"at {x['tokens']:,} tokens: A, B (B vs A)" for x in table[0]["at"]) + " |")
+    print("|---|---:|" + "---:|" * len(table[0]["at"]))
+    for t in table:
+        print(f"| {t['row']} | {t['repeat']} | " + " | ".join(
+            f"{x['a']:.4f}, {x['b']:.4f} ({x['b_vs_a']:+.2%})" for x in t["at"]) + " |")
+
+
 def print_tables(rows: list[dict], table: list[dict], summ: dict) -> None:
     print("| faults | repeat | final eval loss | vs none | tokens merged | goodput | waiting | restarting | refused stale |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -133,16 +173,22 @@ def print_tables(rows: list[dict], table: list[dict], summ: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 learners, 30 s, rows none and all")
-    ap.add_argument("--rows", default=None, help=f"comma-separated rows to run, of {', '.join(ROWS)} (default: all four; "
-                    "none is always run, as the reference)")
+    ap.add_argument("--rows", default=None, help=f"comma-separated rows to run, of {', '.join(ROWS)} (default: none, learners, outer "
+                    "and all; none is always run, as the reference)")
     ap.add_argument("--seconds", type=float, default=None, help="training budget per run (outer kills move to half of it)")
     ap.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved; repeat r with run seed r")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--out", type=pathlib.Path, default=None, help="run folders (default: a new folder under /tmp)")
     ap.add_argument("--results-dir", type=pathlib.Path, default=ROOT / "bench" / "results")
     ap.add_argument("--allow-dirty", action="store_true", help="run with uncommitted changes in services/ or bench/ (marked dirty)")
+    ap.add_argument("--compare", nargs=2, type=pathlib.Path, metavar=("A", "B"),
+                    help="run nothing: print results file B against A, same row and seed, at equal tokens")
     args = ap.parse_args(argv)
-    names = (args.rows.split(",") if args.rows else (["none", "all"] if args.quick else list(ROWS)))
+    if args.compare:
+        a, b = args.compare
+        print_compare(compare(json.loads(a.read_text()), json.loads(b.read_text())), str(a), str(b))
+        return 0
+    names = (args.rows.split(",") if args.rows else (["none", "all"] if args.quick else ["none", "learners", "outer", "all"]))
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; expected some of {list(ROWS)}")

@@ -32,6 +32,7 @@ def test_each_row_holds_exactly_its_fault_families(ablation):
         "learners": (4, []),
         "outer": (0, ["outer-backlog", "outer-checkpoint"]),
         "all": (4, ["outer-backlog", "outer-checkpoint"]),
+        "again": (0, []),  # fault-free a second time: the same-seed noise floor
     }
     assert s.describe_faults(()) == "none"
     assert s.describe_faults(("learners",)).startswith("learner SIGKILL every 60s") and "outer" not in s.describe_faults(("learners",))
@@ -74,6 +75,25 @@ def test_each_run_is_read_against_the_fault_free_run_of_its_own_repeat(ablation)
     # the fault-free runs' own spread: 10% at every level, larger than either cost
     assert [a["spread"] for a in summ["fault_free_spread"]] == [0.1, 0.1, 0.1]
     assert summ["fault_free_spread"][-1]["lowest"] == round(3.0 - 1.6, 4)
+
+
+def test_compare_reads_a_second_results_file_against_the_first_run_by_run(ablation):
+    # B's fault-free run of seed 0 is 3% below A's, its faulty run equal; only the (row,
+    # repeat) pairs both files hold are read, at the fewest tokens any of them merged
+    def curve(scale, end):
+        return [(t, scale * (3.0 - t / 1e6)) for t in range(0, end + 1, 100_000)]
+
+    a = {"rows": [{"row": "none", "repeat": 0, "tokens_merged": 2_000_000, "loss_curve": curve(1.0, 2_000_000)},
+                  {"row": "all", "repeat": 0, "tokens_merged": 1_600_000, "loss_curve": curve(1.04, 1_600_000)},
+                  {"row": "none", "repeat": 1, "tokens_merged": 1_000_000, "loss_curve": curve(1.0, 1_000_000)}]}
+    b = {"rows": [{"row": "none", "repeat": 0, "tokens_merged": 2_000_000, "loss_curve": curve(0.97, 2_000_000)},
+                  {"row": "all", "repeat": 0, "tokens_merged": 1_800_000, "loss_curve": curve(1.04, 1_800_000)}]}
+    table = ablation.compare(a, b)
+    assert [(t["row"], t["repeat"]) for t in table] == [("none", 0), ("all", 0)]
+    assert [x["tokens"] for x in table[0]["at"]] == [800_000, 1_200_000, 1_600_000]
+    assert [[x["b_vs_a"] for x in t["at"]] for t in table] == [[-0.03] * 3, [0.0] * 3]
+    with pytest.raises(ValueError, match="no \\(row, repeat\\) in common"):
+        ablation.compare(a, {"rows": [{"row": "outer", "repeat": 0, "tokens_merged": 1, "loss_curve": curve(1.0, 0)}]})
 
 
 def test_repeats_outside_what_a_bench_can_run_are_refused(ablation, capsys):
