@@ -29,13 +29,14 @@ def _config(checkpoint_every: int) -> RunConfig:
     return cfg
 
 
-def _push(state: OuterState, learner: int, seq: int, base: int, seed: int) -> None:
+def _push(state: OuterState, learner: int, seq: int, base: int, seed: int, more_queued: bool = False) -> None:
     rng = np.random.default_rng(seed)
     # well inside what H AdamW steps can move a coordinate (outer/admission.py)
     arrays = [(n, (rng.normal(size=p.shape) * 1e-3).astype(np.float32)) for n, p in zip(state.names, state.params)]
     enc = codec.encode(arrays, "int8", 64)
     header = outer_pb2.DeltaHeader(
-        run_id="restore", learner_id=learner, base_version=base, tokens=640, inner_steps=5, seq=seq, payload=payload_info(enc)
+        run_id="restore", learner_id=learner, base_version=base, tokens=640, inner_steps=5, seq=seq, payload=payload_info(enc),
+        more_queued=more_queued,
     )
     state.accept(header, enc.payload)
 
@@ -89,6 +90,19 @@ def test_a_delta_replayed_from_the_journal_is_pending_but_not_counted_as_re_sent
     assert restarted.resent_learners() == [{0, 1}]
     assert restarted.merge(0) and restarted.version == 1
     assert restarted.pending_learners() == [set()], "the replayed delta merged with the re-sent ones"
+
+
+def test_a_re_sent_delta_with_more_queued_behind_it_does_not_end_the_hold_for_its_learner(tmp_path):
+    """A learner back from an outage sends its oldest window first, the rest of its backlog
+    right after (``DeltaHeader.more_queued``): it counts as in once its last one is."""
+    restarted = OuterState(_config(checkpoint_every=100), tmp_path)
+    _push(restarted, 0, 1, 0, seed=1, more_queued=True)
+    _push(restarted, 1, 1, 0, seed=2)
+    assert restarted.resent_learners() == [{1}], "learner 0 said more follows"
+    _push(restarted, 0, 2, 0, seed=3, more_queued=True)
+    assert restarted.resent_learners() == [{1}]
+    _push(restarted, 0, 3, 0, seed=4)  # its last queued upload
+    assert restarted.resent_learners() == [{0, 1}]
 
 
 def test_a_torn_checkpoint_leaves_the_previous_one_loadable(tmp_path):

@@ -78,6 +78,25 @@ def test_reflection_lists_the_services(coordinator):
     assert {"ddiloco.v1.Coordinator", "grpc.health.v1.Health"} <= names
 
 
+def test_heartbeats_count_outer_registrations_so_a_restart_at_the_same_address_shows(coordinator):
+    """An outer optimizer restarted on a fixed port registers at the address it had: only the
+    count of registrations, in every heartbeat answer, tells a learner it came back."""
+    _, stub = coordinator
+    outer = coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9")
+    stub.RegisterService(outer, timeout=5)
+    me = register(stub)
+
+    def beat():
+        return stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=me.learner_id), timeout=5)
+
+    first = beat()
+    assert (first.outer_address, first.outer_registrations) == ("127.0.0.1:9", 1)
+    assert beat().outer_registrations == 1, "unchanged while the outer optimizer stays up"
+    stub.RegisterService(outer, timeout=5)  # the restarted process, same address
+    again = beat()
+    assert (again.outer_address, again.outer_registrations) == ("127.0.0.1:9", 2)
+
+
 def test_state_survives_a_coordinator_restart(coordinator):
     """Membership is persisted: a new coordinator process on the same run folder knows
     the learners and the outer optimizer."""
@@ -95,6 +114,8 @@ def test_state_survives_a_coordinator_restart(coordinator):
     assert [x.learner_id for x in m.members] == ids
     assert m.outer_address == "127.0.0.1:9"
     assert m.state == coordinator_pb2.RUN_STATE_RUNNING
+    beat = stub2.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=ids[0]), timeout=5)
+    assert beat.outer_registrations == 1, "the count of outer registrations is persisted too"
 
 
 def test_the_cli_serves_on_the_fixed_port_it_is_given(tmp_path):

@@ -46,6 +46,7 @@ class Accepted:
     tokens: int
     inner_steps: int
     arrays: list[tuple[str, np.ndarray]]
+    more_queued: bool = False
 
 
 class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
@@ -65,6 +66,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         self.lock = threading.Lock()
         self.accepted: list[Accepted] = []
         self.push_attempts: list[tuple[int, int]] = []  # (learner id, seq) of every push received
+        self.more_queued_by_attempt: list[bool] = []  # each push's DeltaHeader.more_queued
         self.pull_requests: list[tuple[int, int]] = []  # (fragment, have_version)
         self.last_seq: dict[int, int] = {}
         self.tokens_accepted: collections.Counter = collections.Counter()
@@ -90,6 +92,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         header, payload = reassemble(request_iterator, 1 << 30, "delta")
         with self.lock:
             self.push_attempts.append((header.learner_id, header.seq))
+            self.more_queued_by_attempt.append(header.more_queued)
         action = self._next(self.push_script, self.push_default)
         if callable(action):  # a side effect first (e.g. another process's upload), then its answer
             action = action(self, header)
@@ -107,7 +110,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
             arrays = decode_payload(header.payload, payload)
             self.accepted.append(
                 Accepted(header.learner_id, header.seq, header.fragment, header.base_version, header.tokens,
-                         header.inner_steps, arrays)
+                         header.inner_steps, arrays, header.more_queued)
             )
             self.last_seq[header.learner_id] = header.seq
             self.tokens_accepted[header.learner_id] += header.tokens

@@ -45,7 +45,7 @@ def _learner_blocked_in_training(seconds_ago: float) -> Learner:
     learner.stats = Stats()
     learner.phase = "training"
     learner.train_started = time.monotonic() - seconds_ago
-    learner._set_outer = lambda address: None
+    learner._set_outer = lambda addresses, registrations=None: None
     return learner
 
 

@@ -188,6 +188,22 @@ def test_an_outer_optimizer_at_a_new_address_ends_a_retry_backoff_at_once(outer,
     assert [a.seq for a in outer.accepted] == [1] and not sup.failed.is_set()
 
 
+def test_each_attempt_says_whether_another_upload_of_its_fragment_is_queued_behind_it(outer, rig):  # noqa: F811
+    """DeltaHeader.more_queued, read by the outer optimizer's restart hold: the first window's
+    retry, with the second queued behind it, says so; the second, with nothing behind it, not."""
+    outer.push_script.append(S.UNAVAILABLE)
+    up, sup = rig.uploader(outer)
+    up.backoff_initial_s = up.backoff_max_s = 120.0
+    up.submit(window(1.0))
+    wait_until(lambda: len(outer.push_attempts) == 1, 10, "the first, refused attempt")
+    up.submit(window(2.0))  # trained while the first waits: queued behind it
+    up.submit(window(5.0, fragment=1))  # another fragment's: does not count for fragment 0
+    up.outer_changed()
+    assert up.flush(10) and not sup.failed.is_set()
+    assert outer.more_queued_by_attempt[0] is False, "nothing was queued at the first attempt"
+    assert [(a.fragment, a.more_queued) for a in outer.accepted] == [(0, True), (0, False), (1, False)]
+
+
 def test_stopping_ends_a_retry_backoff_at_once(outer, rig):  # noqa: F811
     outer.push_script.extend([S.UNAVAILABLE] * 5)
     up, sup = rig.uploader(outer)

@@ -76,10 +76,12 @@ class OuterClient:
         timeout: float,
         fragment: int = 0,
         compute_seconds: float = 0.0,
+        more_queued: bool = False,
         resume: bool = False,
     ) -> outer_pb2.PushDeltaResponse:
         """Upload one delta. ``resume`` (a retry of the same delta): first ask how much of an
-        earlier, broken attempt the server holds, and send only the rest."""
+        earlier, broken attempt the server holds, and send only the rest. ``more_queued``:
+        another upload of this fragment follows at once (``DeltaHeader.more_queued``)."""
         header = outer_pb2.DeltaHeader(
             run_id=self.run_id,
             learner_id=self.learner_id,
@@ -91,6 +93,7 @@ class OuterClient:
             loss=loss,
             fragment=fragment,
             compute_seconds=compute_seconds,
+            more_queued=more_queued,
         )
         offset = self.upload_offset(header, len(enc.payload), min(timeout, 10.0)) if resume else 0
         if offset:

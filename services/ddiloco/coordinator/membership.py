@@ -98,6 +98,10 @@ class Membership:
         self.members: dict[int, MemberRecord] = {}
         # every outer shard's address by shard index ("" until it registers)
         self.outer_shards: list[str] = [""] * config.outer_shards
+        # registrations of outer shards accepted so far, sent with every heartbeat: a restarted
+        # shard at the same address (fixed ports) changes no address, and learners whose uploads
+        # wait out a backoff would otherwise notice it only when the backoff ends
+        self.outer_registrations = 0
         self.state = coordinator_pb2.RUN_STATE_WAITING
         self.elapsed_before = 0.0  # seconds of RUNNING before a coordinator restart
         self.running_since: float | None = None
@@ -276,6 +280,7 @@ class Membership:
             raise InvalidArgument(f"an outer shard's address is HOST:PORT, got {address[:64]!r}")
         with self.lock:
             self.outer_shards[shard] = address
+            self.outer_registrations += 1
             self.save()
 
     def tick(self) -> list[tuple[str, dict]]:
@@ -364,6 +369,7 @@ class Membership:
                 "run_id": self.config.run_id,
                 "state": self.state,
                 "outer_shards": self.outer_shards,
+                "outer_registrations": self.outer_registrations,
                 "elapsed": self.elapsed(),
                 "members": [
                     {
@@ -396,6 +402,7 @@ class Membership:
                 f"{self.state_path} has {len(shards)} outer shards, the run has {len(self.outer_shards)}"
             )
         self.outer_shards = list(shards)
+        self.outer_registrations = int(doc.get("outer_registrations", 0))
         self.elapsed_before = doc["elapsed"]
         if self.state in (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_DRAINING):
             self.running_since = self.clock()

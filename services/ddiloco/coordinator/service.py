@@ -98,6 +98,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             outer_address=svc.members.outer_address,
             outer_shards=svc.members.outer_shards,
             lease_ms=int(svc.config.lease_timeout_s * 1000),
+            outer_registrations=svc.members.outer_registrations,
         )
 
     def Leave(self, request, context):

@@ -220,6 +220,13 @@ class Uploader:
                     self.busy = False
                     self.cond.notify_all()
 
+    def _more_queued(self, fragment: int) -> bool:
+        """Whether another window of ``fragment`` waits behind the one being sent, as of this
+        attempt: after an outer restart the hold waits for a learner's last queued upload, so
+        what it trained during the outage merges in one piece (outer/decision.py)."""
+        with self.cond:
+            return any(w.fragment == fragment for w in self.queue)
+
     def sent_of(self, fragment: int) -> int:
         """Deltas of ``fragment`` sent so far (read by the puller's thread: one int, no lock needed)."""
         return self.sent_by_fragment[fragment]
@@ -260,6 +267,7 @@ class Uploader:
                     loss=window.loss,
                     fragment=window.fragment,
                     compute_seconds=window.compute_seconds,
+                    more_queued=self._more_queued(window.fragment),
                     timeout=60 + len(enc.payload) / 1e5,  # generous for slow links: 100 kB/s floor
                     resume=bool(failures),  # a retry sends only what a broken attempt did not deliver
                 )

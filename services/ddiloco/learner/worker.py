@@ -121,6 +121,7 @@ class Learner:
         self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
         self.coordinator = coordinator_pb2_grpc.CoordinatorStub(self.coord_channel)
         self.outer_address = ""  # the outer shards' addresses, comma-separated when several
+        self._outer_registrations: int | None = None  # the coordinator's count, from heartbeats
         self._client: OuterClient | ShardedOuterClient | None = None
         self._client_lock = threading.Lock()
         self.metrics = MetricsLog(None, "learner")
@@ -283,12 +284,19 @@ class Learner:
             self.signature = signature_of_model(self.initial_model)
         return self.signature
 
-    def _set_outer(self, addresses: list[str]) -> None:
+    def _set_outer(self, addresses: list[str], registrations: int | None = None) -> None:
         """Talk to the outer optimizer at ``addresses`` (one per outer shard) from now on; a
-        shard that restarted elsewhere gets a new client for all of them."""
+        shard that restarted elsewhere gets a new client for all of them. ``registrations``:
+        the coordinator's count of outer registrations (heartbeats carry it). A change with
+        the same addresses is a shard restarted at its old address: a new client too (a fresh
+        channel connects at once, the old one may be waiting out gRPC's reconnect backoff),
+        and the uploader retries now."""
         address = ",".join(addresses)
         with self._client_lock:
-            if all(addresses) and address != self.outer_address:
+            restarted = registrations is not None and self._outer_registrations not in (None, registrations)
+            if registrations is not None:
+                self._outer_registrations = registrations
+            if all(addresses) and (address != self.outer_address or restarted):
                 if self._client is not None:
                     self._client.close()
                 self.outer_address = address
@@ -554,7 +562,7 @@ class Learner:
                     # never silent: a refused report does not renew the lease
                     log.warning("coordinator refused this heartbeat's report: %s", exc.details())
                 continue  # coordinator unreachable: keep training and uploading
-            self._set_outer(list(resp.outer_shards) or [resp.outer_address])
+            self._set_outer(list(resp.outer_shards) or [resp.outer_address], resp.outer_registrations)
             if resp.state in STOP_STATES and not self.drain.is_set():
                 log.info("run is %s: draining", coordinator_pb2.RunState.Name(resp.state))
                 self.drain.set()

@@ -28,6 +28,7 @@ def upload_key(header: outer_pb2.DeltaHeader) -> bytes:
     h = outer_pb2.DeltaHeader()
     h.CopyFrom(header)
     h.offset = 0
+    h.more_queued = False  # advisory and set per attempt: a retry's may differ
     return h.SerializeToString(deterministic=True)
 
 

@@ -209,6 +209,7 @@ class OuterState:
                     Pending(
                         header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
                         header.inner_steps, tensors, journal_path, header.compute_seconds, self.clock(),
+                        more_queued=header.more_queued,
                     )
                 )
                 discount = self._discount(frag, header.base_version, header.learner_id) or 0.0

@@ -86,16 +86,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("state", "outer_address", "lease_ms", "outer_shards")
+    __slots__ = ("state", "outer_address", "lease_ms", "outer_shards", "outer_registrations")
     STATE_FIELD_NUMBER: _ClassVar[int]
     OUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     OUTER_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
     state: RunState
     outer_address: str
     lease_ms: int
     outer_shards: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ...) -> None: ...
+    outer_registrations: int
+    def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ..., outer_registrations: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("run_id", "learner_id", "stats", "reason")

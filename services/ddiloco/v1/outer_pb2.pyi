@@ -24,7 +24,7 @@ class ReadFragmentRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset")
+    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset", "more_queued")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class DeltaHeader(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MORE_QUEUED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     base_version: int
@@ -47,7 +48,8 @@ class DeltaHeader(_message.Message):
     fragment: int
     compute_seconds: float
     offset: int
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., offset: _Optional[int] = ...) -> None: ...
+    more_queued: bool
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., offset: _Optional[int] = ..., more_queued: _Optional[bool] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
