@@ -109,25 +109,21 @@ def test_parallel_sessions_do_not_collide(tmp_path):
 
 def _start_up(tmp_path: pathlib.Path) -> tuple[subprocess.Popen, registry.Marker]:
     with (tmp_path / "up.stderr").open("w") as stderr:
-        proc = _popen_up(tmp_path, stderr)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco", "netns", "--state-dir", str(tmp_path), "up", "--profile", "wan-slow",
+             "--datacenters", "2"],
+            # stderr apart: a preexec_fn makes this a plain fork of a test process that may hold
+            # gRPC threads, and gRPC's fork handler can log to the child's stderr before the exec
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+            # SIGINT as a terminal leaves it: a suite started in the background (``&`` in a
+            # non-interactive shell) would hand it on ignored, and an ignored SIGINT stays ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     first = proc.stdout.readline()  # printed once everything is built
     assert "hub " in first, (first, (tmp_path / "up.stderr").read_text()[-2000:])
     marker = registry.markers(tmp_path)[0]
     assert set(marker.namespaces) <= namespaces()
     return proc, marker
-
-
-def _popen_up(tmp_path: pathlib.Path, stderr) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddiloco", "netns", "--state-dir", str(tmp_path), "up", "--profile", "wan-slow",
-         "--datacenters", "2"],
-        # stderr apart: a preexec_fn makes this a plain fork of a test process that may hold
-        # gRPC threads, and gRPC's fork handler can log to the child's stderr before the exec
-        stdout=subprocess.PIPE, stderr=stderr, text=True,
-        # SIGINT as a terminal leaves it: a suite started in the background (``&`` in a
-        # non-interactive shell) would hand it on ignored, and an ignored SIGINT stays ignored
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
 
 
 @requires_root

@@ -184,8 +184,9 @@ class Uploader:
             self.cond.notify_all()
 
     def outer_changed(self) -> None:
-        """The outer optimizer is at a new address: retry a failed upload now, not after its
-        backoff. Every second learners take to notice an outer restart adds a second of work
+        """The outer optimizer is at a new address, or restarted at its old one (the
+        coordinator's count of outer registrations changed): retry a failed upload now, not
+        after its backoff. Every second learners take to notice an outer restart adds a second of work
         trained on the pre-outage base to the backlog the restart hold waits for (up to the
         5 s backoff, measured in the chaos ablation bench's runs: docs/chaos.md)."""
         self.retry_now.set()

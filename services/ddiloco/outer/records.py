@@ -114,10 +114,9 @@ class Fragment:
         restart hold waits for (outer/decision.py). A learner back from an outage sends its
         oldest window first and the rest of its backlog right after; counting it in at the
         first ended a chaos-bench hold 0.1 s before the rest, which the merge made stale."""
-        latest: dict[int, Pending] = {}
-        for p in self.pending:
-            if not p.replayed and (p.learner_id not in latest or p.seq > latest[p.learner_id].seq):
-                latest[p.learner_id] = p
+        # pending is in acceptance order, which is each learner's sequence order (accept
+        # takes a learner's deltas one at a time, each above the last): the last one wins
+        latest = {p.learner_id: p for p in self.pending if not p.replayed}
         return {learner for learner, p in latest.items() if not p.more_queued}
 
     def tracks(self, base_version: int) -> bool:
