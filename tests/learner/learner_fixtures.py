@@ -57,7 +57,7 @@ class Rig:
         )
         up.metrics_path = metrics_path
         up.backoff_initial_s, up.backoff_max_s = 0.005, 0.02
-        sup = Supervisor(on_failure=lambda: None)
+        sup = Supervisor("learner", on_failure=lambda: None)
         up.start(sup)
         self.stoppers.append(up.stop)
         return up, sup
@@ -69,7 +69,7 @@ class Rig:
             max_failures=max_failures, backoff_initial_s=0.005, backoff_max_s=0.02,
         )
         self.stoppers.append(puller.stop)
-        return puller, Supervisor(on_failure=lambda: None)
+        return puller, Supervisor("learner", on_failure=lambda: None)
 
     def close(self) -> None:
         for stop in self.stoppers:

@@ -52,5 +52,4 @@ def main(args: argparse.Namespace) -> int:
     svc.start()
     if args.port_file:
         write_bytes(args.port_file, str(svc.port).encode())
-    svc.wait()
-    return 0
+    return svc.wait()

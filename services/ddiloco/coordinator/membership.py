@@ -284,7 +284,8 @@ class Membership:
             self.save()
 
     def tick(self) -> list[tuple[str, dict]]:
-        """Advance leases and the run state; returns events to log. Called periodically."""
+        """Advance leases and the run state; returns events to log. Called periodically; the
+        caller saves the state when there are events (a failed save must not lose them)."""
         events = []
         with self.lock:
             for i, rec in self.members.items():
@@ -298,7 +299,6 @@ class Membership:
                     self.state = coordinator_pb2.RUN_STATE_DRAINING
                     self.drain_started = self.clock()
                     events.append(("draining", {"elapsed": round(self.elapsed(), 2), "tokens": self.tokens()}))
-                    self.save()
         return events
 
     def drained(self) -> bool:

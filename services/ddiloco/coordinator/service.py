@@ -14,11 +14,12 @@ import grpc
 
 from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
-from ddiloco.common.durable import write_json
+from ddiloco.common.durable import StorageError, write_json
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
 from ddiloco.common.shard_status import combine_statuses
+from ddiloco.common.supervision import Supervisor
 from ddiloco.coordinator.membership import STATE_NAMES, Membership
 from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
@@ -145,6 +146,8 @@ class CoordinatorService:
                                tokens=reached["tokens"], max_seconds=config.max_seconds, max_tokens=config.max_tokens)
         self.stop_event = threading.Event()
         self.finished = threading.Event()
+        # a background loop that dies stops the process, which exits 1 (common/supervision.py)
+        self.supervisor = Supervisor("coordinator", on_failure=self.stop_event.set)
         self.report: dict | None = None
         self.server = Server(
             options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name], security=options.security
@@ -193,27 +196,53 @@ class CoordinatorService:
         self.metrics.event("coordinator_ready", port=self.server.port, run_id=self.config.run_id)
         if self.watch is not None:
             self.watch.start()
-        threading.Thread(target=self._timer_loop, name="timer", daemon=True).start()
+        self.supervisor.spawn("timer", self._timer_loop, self.stop_event)
 
     def stop(self) -> None:
         self.stop_event.set()
 
-    def wait(self) -> None:
+    def wait(self) -> int:
+        """Serve until stopped; the exit status: 1 if a background loop failed, else 0."""
         while not self.stop_event.wait(0.5):
             if self.finished.is_set() and self.options.exit_when_finished:
                 self.stop_event.wait(self.options.linger_s)
                 break
-        self.members.save()
+        try:
+            self.members.save()
+        except StorageError as exc:  # the last periodic save stands; a restart reads that one
+            log.error("coordinator state not saved at shutdown: %s", exc)
         self.server.stop()
+        if self.supervisor.failed.is_set():
+            log.error("coordinator stopped: %s", self.supervisor.failure)
+        return self.supervisor.exit_code()
 
     def _timer_loop(self) -> None:
+        """Leases, the budget, the end of the run. Runs under the supervisor: an unexpected
+        error stops the coordinator with exit status 1 (its state file brings it back), where
+        a dead timer would leave a process that serves but never expires a lease or ends the
+        run. A full disk is not such an error: the save is tried again on the next tick."""
         last_save = time.monotonic()
+        save_error: str | None = None
         while not self.stop_event.wait(0.25):
-            for kind, fields in self.members.tick():
+            events = self.members.tick()
+            for kind, fields in events:
                 self.metrics.event(kind, **fields)
-            if time.monotonic() - last_save > 5:
-                self.members.save()  # keeps learner statistics fresh across a restart
-                last_save = time.monotonic()
+            # after a state change at once (a restart must find the run draining), else every
+            # 5 s: keeps learner statistics fresh across a restart
+            if events or save_error is not None or time.monotonic() - last_save > 5:
+                try:
+                    self.members.save()
+                except StorageError as exc:
+                    if save_error is None:  # once per streak, not four times a second
+                        log.error("coordinator state not saved (retrying): %s", exc)
+                        self.metrics.event("state_save_failed", reason=str(exc))
+                    save_error = str(exc)
+                else:
+                    if save_error is not None:
+                        log.info("coordinator state saved again")
+                        self.metrics.event("state_saved_again")
+                    save_error = None
+                    last_save = time.monotonic()
             if self.members.drained() and not self.finished.is_set():
                 try:
                     self._finish()

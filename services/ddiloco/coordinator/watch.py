@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # the events a person running the job wants to see as they happen
 NOTABLE = frozenset({
     "delta_refused", "upload_refused", "learner_dead", "learner_failed", "learner_left", "fault", "pull_failed",
-    "checkpoint_failed", "merge_postponed", "merge_error", "reregistered", "restore", "journal_replay", "draining", "finished",
+    "checkpoint_failed", "merge_postponed", "merge_error", "eval_failed", "state_save_failed", "reregistered", "restore", "journal_replay", "draining", "finished",
 })
 MAX_CURVE = 2000  # eval points kept; older halves are thinned out beyond it
 GOODPUT_EVERY_S = 10.0  # the accounting re-reads every event held: not on every poll

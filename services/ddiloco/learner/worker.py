@@ -144,7 +144,7 @@ class Learner:
         """Train until the run drains. Non-zero if a background thread failed: the orchestrator
         restarts the process, which resumes from its acknowledged work."""
         # a background thread that fails stops training (drain); _finish flushes what it can
-        self.supervisor = Supervisor(on_failure=self.drain.set)
+        self.supervisor = Supervisor("learner", on_failure=self.drain.set)
         self.server.start()
         try:
             self._register()

@@ -63,5 +63,4 @@ def main(args: argparse.Namespace) -> int:
         # state on disk that cannot be trusted: say which file and stop, no traceback
         print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)
         return 1
-    svc.wait()
-    return 0
+    return svc.wait()

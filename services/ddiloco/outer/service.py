@@ -26,6 +26,7 @@ from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
+from ddiloco.common.supervision import Supervisor
 from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
 from ddiloco.outer import decision
 from ddiloco.outer.downloads import DownloadViews
@@ -290,6 +291,10 @@ class OuterService:
         self.timing = SyncTiming()
         self.server: Server | None = None
         self._threads: list[threading.Thread] = []
+        # a loop that dies stops the process, which exits 1 and restarts from its checkpoint
+        # and journal: a dead merge loop would acknowledge deltas it never merges, a dead watch
+        # loop would outlive the run (common/supervision.py)
+        self.supervisor = Supervisor("outer optimizer", on_failure=self.stop_event.set)
         self.recovery_until = 0.0  # after a restart: merges wait for every live learner until then
         self._finalize_lock = threading.Lock()
         self._final: outer_pb2.FinalizeResponse | None = None  # the answer every later Finalize repeats
@@ -362,11 +367,13 @@ class OuterService:
             # judge each against the others' as stale, so let them all arrive first (bounded)
             self.recovery_until = time.monotonic() + RESTART_GRACE_S
         self.metrics.event("outer_ready", address=self.address, version=self.state.version, shard=shard, shards=shards)
-        loops = ((self._merge_loop, "merge"), (self._eval_loop, "eval"), (self._watch_loop, "watch"), (self._checkpoint_loop, "checkpoint"))
+        loops = [(self._merge_loop, "merge"), (self._watch_loop, "watch")]
+        if self.evaluator is not None:  # shards other than 0 do not evaluate
+            loops.append((self._eval_loop, "eval"))
+        if getattr(self.state, "checkpoints", None) is not None:  # None: no run dir, no checkpoints
+            loops.append((self._checkpoint_loop, "checkpoint"))
         for target, name in loops:
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._threads.append(self.supervisor.spawn(name, target, self.stop_event))
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -375,7 +382,8 @@ class OuterService:
         if self.server:
             self.server.stop()
 
-    def wait(self) -> None:
+    def wait(self) -> int:
+        """Serve until stopped; the exit status: 1 if a background loop failed, else 0."""
         while not self.stop_event.wait(0.5):
             pass
         if self.server:
@@ -390,6 +398,9 @@ class OuterService:
         # a clean shutdown leaves nothing to replay from the journal; a failure is logged, and
         # the journal still covers everything for the next start
         self.state.checkpoint()
+        if self.supervisor.failed.is_set():
+            log.error("outer optimizer stopped: %s", self.supervisor.failure)
+        return self.supervisor.exit_code()
 
     def finalize(self) -> outer_pb2.FinalizeResponse:
         """Merge what is pending, evaluate, checkpoint: once, at the end of the run.
@@ -477,17 +488,15 @@ class OuterService:
                     self.metrics.event("merge_postponed", fragment=fragment, reason=str(exc))
                     self.stop_event.wait(1.0)
                     break
-                except Exception:  # a merge bug must be loud, not a silent dead thread
-                    log.exception("merge failed")
-                    self.metrics.event("merge_error")
-                    self.stop_event.set()
-                    return
+                except Exception as exc:  # a merge bug: the supervisor stops the process, exit 1
+                    self.metrics.event("merge_error", fragment=fragment, reason=f"{type(exc).__name__}: {exc}")
+                    raise
                 self.timing.observe_merge(time.monotonic() - t0)
 
     def _checkpoint_loop(self) -> None:
         """Retry a failed checkpoint (disk full) while no merge comes to retry it."""
-        checkpoints = getattr(self.state, "checkpoints", None)  # None: no run dir, no checkpoints
-        while checkpoints is not None and not self.stop_event.wait(CHECKPOINT_RETRY_S):
+        checkpoints = self.state.checkpoints
+        while not self.stop_event.wait(CHECKPOINT_RETRY_S):
             if checkpoints.last_error is not None:
                 try:
                     self.state.checkpoint()  # storage errors are handled inside; this is for bugs
@@ -496,11 +505,18 @@ class OuterService:
 
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s
-        while self.evaluator is not None and not self.stop_event.wait(interval):
+        assert self.evaluator is not None
+        while not self.stop_event.wait(interval):
             try:
                 self.evaluator.run_once()
             except errors.Unavailable as exc:  # a shard restarting: the next evaluation tries again
                 log.info("evaluation skipped: %s", exc.message)
+            except Exception as exc:
+                # loud, but not fatal: an evaluation reads the model and changes nothing, and
+                # stopping the merges for it would cost the run far more than a missing point
+                # on the curve; the next interval tries again
+                log.exception("evaluation failed")
+                self.metrics.event("eval_failed", reason=f"{type(exc).__name__}: {exc}")
 
     def _initial_eval(self) -> None:
         if self.evaluator is None:

@@ -1,6 +1,7 @@
-"""A supervised thread never vanishes: dying, by an expected failure or an unexpected
-exception, or ending while the learner still runs, fails the learner with the cause; only
-a thread told to stop may end quietly."""
+"""A supervised thread never vanishes: dying, by an expected failure (a ``Fatal``, such as
+the learner's ``LearnerFailure``) or an unexpected exception, or ending while the service
+still runs, fails the process with the cause; only a thread told to stop may end quietly.
+The learner, the outer optimizer and the coordinator run their background loops so."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from ddiloco.learner.supervision import LearnerFailure, Supervisor
 
 def _supervisor():
     calls = []
-    return Supervisor(on_failure=lambda: calls.append(1)), calls
+    return Supervisor("learner", on_failure=lambda: calls.append(1)), calls
 
 
 def test_an_unexpected_exception_fails_the_learner_with_its_cause():

@@ -1,0 +1,78 @@
+"""The coordinator's timer (leases, the budget, the end of the run) never dies silently.
+
+* A full disk fails the state save: logged once (``state_save_failed``), the timer goes on
+  expiring leases, and the state is saved again once there is space (``state_saved_again``).
+  Before, the first failed save ended the timer thread: the process served on, but no lease
+  ever expired and the run never drained. Process-level, on a real full disk (a tiny tmpfs
+  over the state folder: needs root; skipped without).
+* An unexpected error in the timer stops the coordinator with exit status 1, naming the
+  cause, where before the thread died and the process served on. In process: the error is
+  injected into the lease bookkeeping (``Membership.tick``), which no input can make raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+from coord_helpers import announce_outer, register, start_coordinator
+from support import wait_until
+
+from ddiloco.common.config import RunConfig
+from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
+
+
+def _events(run_dir, kind):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root")
+def test_a_full_disk_does_not_stop_the_lease_timer_and_the_state_is_saved_once_there_is_space(tmp_path):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "outer"))
+    from outer_helpers import Tmpfs  # the outer optimizer's full-disk tests use the same
+
+    disk = Tmpfs(tmp_path / "coordinator", "256k")
+    cluster = None
+    try:
+        cluster, stub = start_coordinator(tmp_path, ["--lease-timeout", "1.5"])
+        announce_outer(stub)
+        learner = register(stub).learner_id  # saved; from here on it never heartbeats
+        fd = os.open(tmp_path / "coordinator" / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # the disk fills up
+            while os.write(fd, bytes(4096)):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        wait_until(lambda: _events(tmp_path, "state_save_failed"), 30, "a failed state save")
+        wait_until(lambda: _events(tmp_path, "learner_dead"), 30, "the lease to expire while saves fail")
+        assert [e["learner"] for e in _events(tmp_path, "learner_dead")] == [learner]
+        assert "ENOSPC" in _events(tmp_path, "state_save_failed")[0]["reason"]
+
+        (tmp_path / "coordinator" / "filler").unlink()  # space again
+        wait_until(lambda: _events(tmp_path, "state_saved_again"), 30, "the state saved again")
+        assert len(_events(tmp_path, "state_save_failed")) == 1, "logged once per streak, not per tick"
+        assert cluster.procs[0].returncode() is None, "a full disk must not stop the coordinator"
+    finally:
+        if cluster is not None:
+            cluster.stop_all()
+        disk.unmount()
+
+
+def test_an_unexpected_error_in_the_timer_stops_the_coordinator_with_exit_status_1(tmp_path, monkeypatch):
+    svc = CoordinatorService(RunConfig(), CoordinatorOptions(bind="127.0.0.1:0", run_dir=tmp_path))
+
+    def broken_tick():
+        raise ZeroDivisionError("lease arithmetic")
+
+    monkeypatch.setattr(svc.members, "tick", broken_tick)
+    svc.start()
+    assert svc.wait() == 1  # returns only because the failure stopped it
+    assert svc.supervisor.failure == "timer: unexpected ZeroDivisionError: lease arithmetic"
