@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 import sys
+import threading
 
 import pytest
 from coord_helpers import announce_outer, register, start_coordinator
@@ -74,5 +75,12 @@ def test_an_unexpected_error_in_the_timer_stops_the_coordinator_with_exit_status
 
     monkeypatch.setattr(svc.members, "tick", broken_tick)
     svc.start()
-    assert svc.wait() == 1  # returns only because the failure stopped it
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(svc.wait()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)  # wait() returns only because the failure stopped the service
+    if waiter.is_alive():
+        svc.stop()
+        pytest.fail("the coordinator kept serving after its timer failed")
+    assert result == [1]
     assert svc.supervisor.failure == "timer: unexpected ZeroDivisionError: lease arithmetic"
