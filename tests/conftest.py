@@ -13,7 +13,7 @@ if str(ROOT / "services") not in sys.path:  # lets the suite run from a plain ch
 
 from ddiloco.launcher.processes import Cluster  # noqa: E402
 
-from support import TINY_RUN, wait_serving, wait_until  # noqa: E402,F401
+from support import TINY_RUN, host_wide_lock, wait_serving, wait_until  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- the slow tier
@@ -27,6 +27,37 @@ def slow_enabled(config) -> bool:
     import os
 
     return bool(config.getoption("--slow")) or os.environ.get("DDILOCO_SLOW", "") not in ("", "0")
+
+
+# ---------------------------------------------------------------- parallel workers
+# The suite runs on two xdist workers, a test file at a time each (README's test command:
+# -n 2 --dist loadfile; by file, so a module's fixtures start once). Most tests spend much of
+# their time waiting on real processes, so the second worker cuts the wall time by about a
+# quarter on two cores. Test files that use something host-wide hold one lock, file by file,
+# so that they run one at a time across workers: the Docker engine (its images, a swarm,
+# compose projects) and the kernel's network namespaces and tc qdiscs (bench/bandwidth.py
+# builds its links from them too). A lock, not xdist's groups: pytest 9.2 ignores the node
+# ids xdist 3.8 rewrites for them.
+HOST_WIDE = ("docker/", "netns/", "wan/test_wan_tc.py", "chaos/test_partition.py", "chaos/test_docker_",
+             "bench/test_bandwidth_quick.py")
+_held: dict = {}  # the open lock file while this process holds it
+
+
+def _host_wide(item) -> bool:
+    rel = pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").as_posix()
+    return rel.startswith(HOST_WIDE)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Hold the host-wide lock from the first test of such a file (its module fixtures start
+    there) until its last one ends (they stop in its teardown)."""
+    if _host_wide(item) and "lock" not in _held:
+        _held["lock"] = host_wide_lock()
+        _held["lock"].__enter__()
+    yield
+    if "lock" in _held and (nextitem is None or nextitem.fspath != item.fspath):
+        _held.pop("lock").__exit__(None, None, None)
 
 
 def pytest_collection_modifyitems(config, items):

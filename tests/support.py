@@ -3,11 +3,14 @@ ambiguous as an import once several test folders have one."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 
 from ddiloco.common.health import check
@@ -87,3 +90,15 @@ def processes_naming(text: str) -> list[int]:
         if text in cmdline and "zombie" not in state:
             found.append(int(entry.name))
     return found
+
+
+@contextlib.contextmanager
+def host_wide_lock():
+    """Exclusive use of what is host-wide (the Docker engine, network namespaces, tc) among
+    test processes: the suite's xdist workers take it file by file (tests/conftest.py)."""
+    with open(pathlib.Path(tempfile.gettempdir()) / "ddiloco-tests-host-wide.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

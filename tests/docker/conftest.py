@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from docker_helpers import ENGINE, IMAGE, docker_up, skip_or_fail  # noqa: E402
+from support import host_wide_lock  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,4 +36,7 @@ def engine():
           f"({'already running' if was_up else 'daemon started by the tests'})", file=sys.stderr)
     yield IMAGE
     if not was_up:
-        subprocess.run(["bash", str(ENGINE), "stop"], capture_output=True, text=True, timeout=120)
+        # after this worker's last test, under the host-wide lock: the other xdist worker may
+        # be in a Docker test of its own (tests/conftest.py)
+        with host_wide_lock():
+            subprocess.run(["bash", str(ENGINE), "stop"], capture_output=True, text=True, timeout=120)

@@ -59,13 +59,13 @@ def _header(client, g, enc, seq):
     )
 
 
-def _break_after(client, header, payload, chunks: int) -> None:
+def _break_after(client, header, payload, chunks: int, settle_s: float = 0.5) -> None:
     """Stream the first ``chunks`` chunks, then fail on the client side: the call is cancelled."""
 
     def frames():
         for i, frame in enumerate(stream_frames(outer_pb2.DeltaChunk, header, payload, CHUNK)):
             if i == chunks:
-                time.sleep(0.5)  # what was sent arrives before the cancellation
+                time.sleep(settle_s)  # what was sent arrives before the cancellation
                 raise ConnectionError("the link went down")
             yield frame
 
@@ -77,9 +77,11 @@ def _break_until_held(client, header, payload, chunks: int) -> int:
     """Break an upload after ``chunks`` chunks until the server holds part of it. Keeping a
     broken stream is best effort: a cancellation that reaches the server before it read the
     chunks leaves nothing to keep (the retry then sends everything), so one break alone is a
-    race with the server's scheduling; a few attempts are not."""
-    for _ in range(5):
-        _break_after(client, header, payload, chunks)
+    race with the server's scheduling; a few attempts are not. Each attempt gives the server
+    twice as long to read what was sent (0.5 s to 8 s): on a loaded host its handler may not
+    run for a while."""
+    for attempt in range(5):
+        _break_after(client, header, payload, chunks, settle_s=0.5 * 2**attempt)
         held = _held(client, header, len(payload), wait_s=3)
         if held:
             return held
