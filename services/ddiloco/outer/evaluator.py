@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import pathlib
 import threading
 from typing import Callable
 
 import torch
 
+from ddiloco.common import durable
 from ddiloco.common.config import RunConfig
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.outer.state import OuterState
 from ddiloco.workloads.evaluate import evaluate
+
+log = logging.getLogger(__name__)
 
 
 class Evaluator:
@@ -21,11 +27,13 @@ class Evaluator:
 
     def __init__(
         self, config: RunConfig, state: OuterState, metrics: MetricsLog,
-        source: Callable[[], tuple[int, int, list]] | None = None,
+        source: Callable[[], tuple[int, int, list]] | None = None, initial_path: pathlib.Path | None = None,
     ) -> None:
         """``source()``: (version, tokens, named arrays) of the global model; default the
         state's own snapshot (every fragment held here), on outer shard 0 of several the
-        gathered model (``outer/gather.py``)."""
+        gathered model (``outer/gather.py``). ``initial_path``: where the untrained model's
+        loss is kept, so that a restarted process reports the run's initial loss and need
+        not evaluate before it serves."""
         self.state = state
         self.source = source or state.snapshot
         self.metrics = metrics
@@ -33,7 +41,8 @@ class Evaluator:
         self.batches = self.workload.eval_batches()  # fixed: read once
         self.model = self.workload.build_model()
         self.lock = threading.Lock()
-        self.initial: tuple[float, float] | None = None
+        self.initial_path = initial_path
+        self.initial: tuple[float, float] | None = self._read_initial()
         self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
         self.tokens = 0  # tokens merged into every fragment of the last model evaluated
 
@@ -49,10 +58,33 @@ class Evaluator:
             loss, metric = evaluate(self.workload, self.model, self.batches)
             acc = math.nan if metric is None else metric
             self.last = (version, loss, acc)
-            if self.initial is None:
+            if self.initial is None and version == 0:  # the untrained model: a later one is not "initial"
                 self.initial = (loss, acc)
+                self._write_initial()
             self.metrics.event(
                 "eval", version=version, tokens=tokens, eval_loss=round(loss, 5),
                 eval_accuracy=None if metric is None else round(metric, 5),
             )
             return self.last
+
+    def _read_initial(self) -> tuple[float, float] | None:
+        if self.initial_path is None or not self.initial_path.exists():
+            return None
+        try:
+            kept = json.loads(self.initial_path.read_text())
+            loss = float(kept["eval_loss"])
+            acc = math.nan if kept["eval_accuracy"] is None else float(kept["eval_accuracy"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # a reporting figure, not state: the run goes on, and says it no longer knows it
+            log.warning("initial evaluation record %s unreadable (%s): the initial loss is not reported", self.initial_path, exc)
+            return None
+        return loss, acc
+
+    def _write_initial(self) -> None:
+        if self.initial_path is None or self.initial is None:
+            return
+        loss, acc = self.initial
+        try:
+            durable.write_json(self.initial_path, {"eval_loss": loss, "eval_accuracy": None if math.isnan(acc) else acc})
+        except durable.StorageError as exc:  # kept in memory; only a restart would miss it
+            log.warning("initial evaluation not recorded: %s", exc)

@@ -334,11 +334,12 @@ class OuterService:
         # who evaluates: the one process, or shard 0 of several, on the gathered global model
         self.gather: FragmentGather | None = None
         self.evaluator: Evaluator | None = None
+        initial_path = state_dir / "initial_eval.json" if state_dir else None
         if shards == 1:
-            self.evaluator = Evaluator(self.config, self.state, self.metrics)
+            self.evaluator = Evaluator(self.config, self.state, self.metrics, initial_path=initial_path)
         elif shard == 0:
             self.gather = FragmentGather(self.state, self.known.shard_addresses, self.options.security)
-            self.evaluator = Evaluator(self.config, self.state, self.metrics, source=self.gather.model)
+            self.evaluator = Evaluator(self.config, self.state, self.metrics, source=self.gather.model, initial_path=initial_path)
         # every learner id (up to 2M) may hold a thread in a status long poll while another
         # of its threads uploads or downloads
         self.server = Server(
@@ -351,9 +352,16 @@ class OuterService:
         self.server.start()
         host = self.options.bind.rsplit(":", 1)[0]
         self.address = self.options.advertise or f"{host}:{self.server.port}"
-        # the initial loss, before any learner can change the model: learners join once every
-        # shard registered, and shard 0 registers after this (it reads the others' fragments)
-        self._initial_eval()
+        restarted = self.state.version > 0 or self.state.pending_count() > 0
+        if not restarted:
+            # the initial loss, before any learner can change the model: learners join once
+            # every shard registered, and shard 0 registers after this (it reads the others'
+            # fragments)
+            self._initial_eval()
+        # A restart serves as soon as its state is restored and evaluates in its eval loop:
+        # an evaluation changes nothing, and before serving it would lengthen the outage of
+        # every learner waiting to re-send (seconds here, far more at large models). The
+        # untrained model's loss comes from the first start's record (initial_eval.json).
         self.server.set_ready()
         call_with_retry(
             lambda: self.coordinator.RegisterService(self._registration(), timeout=3),
@@ -361,7 +369,7 @@ class OuterService:
             max_elapsed=300,
             stop=self.stop_event,
         )
-        if self.state.version > 0 or self.state.pending_count() > 0:
+        if restarted:
             # a restart: learners are about to re-send what they trained while this process
             # was down, all from the same base version; merging them as they trickle in would
             # judge each against the others' as stale, so let them all arrive first (bounded)
