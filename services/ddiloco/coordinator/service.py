@@ -313,7 +313,8 @@ def build_report(
     report = {
         "run_id": config.run_id,
         "state": STATE_NAMES[members.state],
-        "initial_eval_loss": st.initial_eval_loss,
+        # 0 on the wire: not known (the outer optimizer's record of it was lost), not a loss of 0
+        "initial_eval_loss": st.initial_eval_loss or None,
         "final_eval_loss": final.final_eval_loss,
         # NaN on the wire: the workload defines no metric
         "final_eval_accuracy": None if math.isnan(final.final_eval_accuracy) else final.final_eval_accuracy,

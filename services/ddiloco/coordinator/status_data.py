@@ -98,7 +98,7 @@ def _outer(st) -> dict | None:
         "outer_steps": st.outer_steps,
         "tokens_merged": st.tokens_merged,
         "pending_deltas": st.pending_deltas,
-        "initial_eval_loss": st.initial_eval_loss,
+        "initial_eval_loss": st.initial_eval_loss or None,  # 0 on the wire: not known
         "eval_loss": st.last_eval_loss if st.last_eval_version or st.last_eval_loss else None,
         "eval_accuracy": st.last_eval_accuracy,
         "eval_version": st.last_eval_version,

@@ -167,10 +167,14 @@ def main(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _loss(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.4f}"
+
+
 def print_summary(report: dict, stream) -> None:
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     rows = [
-        ("eval loss", f"{report['initial_eval_loss']:.4f} -> {report['final_eval_loss']:.4f}"),
+        ("eval loss", f"{_loss(report['initial_eval_loss'])} -> {_loss(report['final_eval_loss'])}"),
         ("eval metric (accuracy)", "none" if report.get("final_eval_accuracy") is None else f"{report['final_eval_accuracy']:.2%}"),
         ("tokens trained", f"{report['tokens_trained']:,}"),
         ("outer steps", str(report["outer_steps"])),
