@@ -92,11 +92,14 @@ def processes_naming(text: str) -> list[int]:
     return found
 
 
+HOST_WIDE_LOCK = pathlib.Path(tempfile.gettempdir()) / "ddiloco-tests-host-wide.lock"
+
+
 @contextlib.contextmanager
-def host_wide_lock():
+def host_wide_lock(path: pathlib.Path = HOST_WIDE_LOCK):
     """Exclusive use of what is host-wide (the Docker engine, network namespaces, tc) among
     test processes: the suite's xdist workers take it file by file (tests/conftest.py)."""
-    with open(pathlib.Path(tempfile.gettempdir()) / "ddiloco-tests-host-wide.lock", "a") as f:
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

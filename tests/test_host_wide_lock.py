@@ -1,0 +1,49 @@
+"""The lock that keeps host-wide test files apart across the suite's workers
+(tests/conftest.py) excludes another process while held, and is free once released. On a
+lock file of this test's own, so that a worker holding the suite's lock meanwhile cannot
+change the outcome."""
+
+from __future__ import annotations
+
+import fcntl
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _try_lock(path: pathlib.Path) -> bool:
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_held_lock_excludes_another_process_until_released(tmp_path):
+    path = tmp_path / "host-wide.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import pathlib, sys
+            sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent / "services")!r}]
+            from support import host_wide_lock
+            with host_wide_lock(pathlib.Path({str(path)!r})):
+                print("held", flush=True)
+                sys.stdin.readline()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not _try_lock(path), "another process took the lock while it was held"
+        holder.stdin.write("release\n")
+        holder.stdin.flush()
+        assert holder.wait(30) == 0
+        assert _try_lock(path), "the lock stayed taken after its holder released it"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
