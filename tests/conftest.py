@@ -32,8 +32,7 @@ def slow_enabled(config) -> bool:
 # ---------------------------------------------------------------- parallel workers
 # The suite runs on two xdist workers, a test file at a time each (README's test command:
 # -n 2 --dist loadfile; by file, so a module's fixtures start once). Most tests spend much of
-# their time waiting on real processes, so the second worker cuts the wall time by about a
-# quarter on two cores. Test files that use something host-wide hold one lock, file by file,
+# their time waiting on real processes, which the second worker fills. Test files that use something host-wide hold one lock, file by file,
 # so that they run one at a time across workers: the Docker engine (its images, a swarm,
 # compose projects) and the kernel's network namespaces and tc qdiscs (bench/bandwidth.py
 # builds its links from them too). A lock, not xdist's groups: pytest 9.2 ignores the node

@@ -60,7 +60,7 @@ class Evaluator:
             self.last = (version, loss, acc)
             if self.initial is None and version == 0:  # the untrained model: a later one is not "initial"
                 self.initial = (loss, acc)
-                self._write_initial()
+                self._write_initial(loss, acc)
             self.metrics.event(
                 "eval", version=version, tokens=tokens, eval_loss=round(loss, 5),
                 eval_accuracy=None if metric is None else round(metric, 5),
@@ -80,10 +80,9 @@ class Evaluator:
             return None
         return loss, acc
 
-    def _write_initial(self) -> None:
-        if self.initial_path is None or self.initial is None:
+    def _write_initial(self, loss: float, acc: float) -> None:
+        if self.initial_path is None:
             return
-        loss, acc = self.initial
         try:
             durable.write_json(self.initial_path, {"eval_loss": loss, "eval_accuracy": None if math.isnan(acc) else acc})
         except durable.StorageError as exc:  # kept in memory; only a restart would miss it
