@@ -13,7 +13,16 @@ profile's rate in both directions (``ddiloco run --topology netns``; see docs/wa
     ddiloco-int4-fragments  int4 with P fragments on staggered schedules (--fragments P)
 
 Size, H and every other setting come from bench/quality.py (its ``cpu`` preset, ``quick``
-with --quick, its N budget), so quality and bandwidth describe the same runs.
+with --quick, its N budget), so quality and bandwidth describe the same runs. ``--model
+small`` trains the model ``ddiloco run`` trains by default instead (batch and H as before, a
+budget and evaluation interval of its own, below).
+
+The H sweep (``--sweep 50,100``) adds, for each H listed and each of ``--sweep-methods``
+(default ``ddiloco-int4,ddiloco-int4-fragments``), a row ``<method>-h<H>``: the same run
+with ``--inner-steps H``, at the same token budget. Every row records its H, and a second
+PNG (``bandwidth[...]-frontier.png``) plots final eval loss against bytes per token: the
+bandwidth-quality frontier a user picks H and codec from. The bytes target is read at the
+largest H whose int4 loss is within 1% of the preset H's.
 
 Per row: ``bytes_per_token`` (kernel-counted bytes over all datacenter links, both
 directions, divided by tokens trained), ``peak_mbps`` and ``avg_mbps`` (the busiest
@@ -26,6 +35,7 @@ datacenter). Needs root. Run from the repository root:
     sudo python bench/bandwidth.py                  # profile wan, M=4, the quality bench's N
     sudo python bench/bandwidth.py --quick          # smoke test, M=2, about a minute
     sudo python bench/bandwidth.py --profile wan-slow --dp-steps 40
+    sudo python bench/bandwidth.py --model small --sweep 50,100 --dp-steps 20
 
 With --dp-steps K, dp trains only K steps behind the shaped links (bytes, link use and time
 per step are measured there) and its loss curve comes from an unshaped local run of the full
@@ -52,15 +62,38 @@ for p in (ROOT / "services", ROOT / "bench"):
 
 import quality  # noqa: E402  (the quality bench: its presets and ddiloco flags are ours)
 from common_bench import finish_provenance, start_provenance  # noqa: E402
+from ddiloco.common.config import MODEL_PRESETS  # noqa: E402
 
 METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
 DDILOCO = [m for m in METHODS if m.startswith("ddiloco")]
 DEFAULT_FRAGMENTS = 8  # P: several fragment messages per learner in each 1 s window at this model size
 DP_PORT = 29500  # the rendezvous port inside datacenter 0's fresh namespace: always free there
+SWEEP_METHODS = ["ddiloco-int4", "ddiloco-int4-fragments"]
+LOSS_TOLERANCE = 0.01  # a larger H "keeps the quality" while its loss is within 1% of the preset H's
+
+# --model small: the quality preset's batch and H, with a budget and an evaluation interval
+# of its own. 300 steps per learner (4 x 300 x 8 x 128 = 1,228,800 tokens) give H = 100 three
+# windows and H = 25 twelve; a step of this model costs ~15x the tiny one's, so the outer
+# optimizer evaluates (256 windows of 128 bytes) every 15 s instead of every 3 s, or its
+# evaluations would take a core from the learners.
+MODEL_SETTINGS = {"small": {"budget_tokens": 1_228_800, "eval_interval_s": 15.0}}
+
+
+def sweep_name(method: str, h: int) -> str:
+    return f"{method}-h{h}"
 
 
 # ----------------------------------------------------------------------------- methods
+def swept_from(method: str) -> str | None:
+    """The method a sweep row ``<method>-h<H>`` varies, or None for any other row."""
+    base, _, h = method.rpartition("-h")
+    return base if base in SWEEP_METHODS and h.isdigit() else None
+
+
 def method_flags(method: str, fragments: int) -> list[str]:
+    base = swept_from(method)
+    if base is not None:  # a row of the H sweep
+        return [*method_flags(base, fragments), "--inner-steps", method.rpartition("-h")[2]]
     if method == "ddiloco-int4-fragments":
         return [*quality.method_flags("ddiloco-int4"), "--fragments", str(fragments)]
     return quality.method_flags(method)
@@ -201,13 +234,16 @@ def link_series(events: list[dict], start: float | None) -> dict[int, dict[str, 
     return out
 
 
-def make_row(method: str, profile: str, report: dict, links: dict, events: list[dict], elapsed: float) -> dict:
+def make_row(method: str, profile: str, report: dict, links: dict, events: list[dict], elapsed: float,
+             inner_steps: int | None = None, fragments: int | None = None) -> dict:
     tokens = int(report["tokens_trained"])
     worst = busiest(links)
     util, util_min = compute_utilization(method, report)
     return {
         "method": method,
         "profile": profile,
+        "inner_steps": inner_steps,  # H (None for dp, which syncs every step)
+        "fragments": fragments,
         "bytes_per_token": round(links["bytes_total"] / tokens, 4) if tokens else None,
         "bytes_up_per_token": round(sum(d["bytes_up"] for d in links["datacenters"]) / tokens, 4) if tokens else None,
         "bytes_down_per_token": round(sum(d["bytes_down"] for d in links["datacenters"]) / tokens, 4) if tokens else None,
@@ -233,6 +269,21 @@ def make_row(method: str, profile: str, report: dict, links: dict, events: list[
 
 
 # ----------------------------------------------------------------------------- targets
+def largest_h_keeping_quality(rows: list[dict], method: str = "ddiloco-int4",
+                              tolerance: float = LOSS_TOLERANCE) -> dict | None:
+    """Of ``method``'s row at the preset H and its sweep rows, the one with the largest H whose
+    final eval loss is within ``tolerance`` (relative) of the preset H's; None without the
+    preset row. The preset row itself always qualifies."""
+    base = next((r for r in rows if r["method"] == method), None)
+    if base is None or base.get("final_eval_loss") is None:
+        return base
+    limit = base["final_eval_loss"] * (1 + tolerance)
+    ok = [r for r in rows if (r is base or swept_from(r["method"]) == method)
+          and r.get("inner_steps") is not None and r.get("final_eval_loss") is not None
+          and r["final_eval_loss"] <= limit]
+    return max(ok, key=lambda r: r["inner_steps"], default=base)
+
+
 def targets(rows: list[dict], profile: str) -> list[dict]:
     by = {r["method"]: r for r in rows}
     out = []
@@ -240,10 +291,15 @@ def targets(rows: list[dict], profile: str) -> list[dict]:
     def add(name: str, value, limit, ok) -> None:
         out.append({"target": name, "value": value, "limit": limit, "met": None if value is None else ok(value)})
 
-    dp, i4, frag = by.get("dp"), by.get("ddiloco-int4"), by.get("ddiloco-int4-fragments")
+    dp, i4, frag = by.get("dp"), largest_h_keeping_quality(rows), by.get("ddiloco-int4-fragments")
     ratio = (round(dp["bytes_per_token"] / i4["bytes_per_token"], 1)
              if dp and i4 and dp["bytes_per_token"] and i4["bytes_per_token"] else None)
-    add("dp / ddiloco-int4 bytes per token", ratio, 500, lambda v: v >= 500)
+    base_h = by["ddiloco-int4"].get("inner_steps") if "ddiloco-int4" in by else None
+    chosen = (f" at H = {i4['inner_steps']} (the largest H whose loss is within "
+              f"{LOSS_TOLERANCE:.0%} of H = {base_h}'s)") if i4 and i4.get("inner_steps") is not None else ""
+    add(f"dp / ddiloco-int4 bytes per token{chosen}", ratio, 500, lambda v: v >= 500)
+    if i4 is not None:
+        out[-1]["row"] = i4["method"]
     add("ddiloco-int4-fragments peak / avg Mbit/s", frag["peak_over_avg"] if frag else None, 1.5, lambda v: v <= 1.5)
     ddl = [r for r in rows if r["method"] in DDILOCO]
     add(f"min compute_utilization of ddiloco rows ({profile})",
@@ -261,17 +317,17 @@ def targets(rows: list[dict], profile: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------- output
 def markdown_table(rows: list[dict], target_loss: float | None) -> str:
+    to = f"s to loss {target_loss:.3f}" if target_loss is not None else "s to target"
     lines = [
-        f"| method | profile | bytes/token | peak Mbit/s | avg Mbit/s | compute util. | s to loss {target_loss:.3f} | "
-        "final eval loss | tokens |" if target_loss is not None else "| method | profile | bytes/token | peak Mbit/s | "
-        "avg Mbit/s | compute util. | s to target | final eval loss | tokens |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| method | profile | H | bytes/token | peak Mbit/s | avg Mbit/s | compute util. | {to} | final eval loss | tokens |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         st = r["seconds_to_target_loss"]
         mark = " (extrapolated)" if r["extrapolated"] else ""
         lines.append(
-            f"| {r['method']}{mark} | {r['profile']} | {r['bytes_per_token']:.2f} | {r['peak_mbps']:.2f} | "
+            f"| {r['method']}{mark} | {r['profile']} | {_f(r.get('inner_steps'), 'd')} | {r['bytes_per_token']:.2f} | "
+            f"{r['peak_mbps']:.2f} | "
             f"{r['avg_mbps']:.2f} | {_f(r['compute_utilization'], '.3f')} | {_f(st, '.1f')} | "
             f"{_f(r['final_eval_loss'], '.4f')} | {r['tokens']:,} |"
         )
@@ -323,6 +379,50 @@ def plot(series: dict[str, dict], rates: dict[str, list], path: pathlib.Path, pr
     return True
 
 
+def plot_frontier(rows: list[dict], path: pathlib.Path, profile: str, preset) -> bool:
+    """Final eval loss against bytes per token, one point per row, labelled with its H: the
+    bandwidth-quality frontier. Rows of one method family share a colour and are joined in
+    order of H."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    pts = [r for r in rows if r.get("bytes_per_token") and r.get("final_eval_loss") is not None]
+    if not pts:
+        return False
+    families: dict[str, list[dict]] = {}
+    for r in pts:
+        families.setdefault(swept_from(r["method"]) or r["method"], []).append(r)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for family, rs in families.items():
+        rs = sorted(rs, key=lambda r: r.get("inner_steps") or 0)
+        xs, ys = [r["bytes_per_token"] for r in rs], [r["final_eval_loss"] for r in rs]
+        line, = ax.plot(xs, ys, marker="o", lw=1.0, label=family)
+        for r in rs:
+            h = r.get("inner_steps")
+            ax.annotate("dp" if h is None else f"H={h}", (r["bytes_per_token"], r["final_eval_loss"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per token (kernel-counted, every datacenter link, both directions)")
+    ax.set_ylabel("final eval loss (equal tokens)")
+    ax.set_title(f"bandwidth-quality frontier ({profile}, {preset.name}, {preset.budget_tokens:,} tokens)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def model_parameters(cfg) -> int:
+    from ddiloco.common.model import build_model, parameter_count
+
+    return parameter_count(build_model(cfg.model, 0))
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from ddiloco.wan.profiles import profile_names
@@ -332,6 +432,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: quality's quick preset, M=2")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--fragments", type=int, default=DEFAULT_FRAGMENTS, help="P for ddiloco-int4-fragments")
+    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS),
+                   help="model size preset (default: the quality preset's, 2 layers of width 64)")
+    p.add_argument("--sweep", default="", help="comma-separated H values beyond the preset's, e.g. 50,100 (the H sweep)")
+    p.add_argument("--sweep-methods", default=",".join(SWEEP_METHODS),
+                   help="methods the H sweep repeats, a subset of " + ", ".join(SWEEP_METHODS))
     p.add_argument("--budget", type=int, default=0, help="tokens (default: the quality preset's N)")
     p.add_argument("--learners", type=int, default=0, help=f"M (default: {quality.M}, 2 with --quick)")
     p.add_argument("--dp-steps", type=int, default=0,
@@ -351,7 +456,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--fragments must be at least 2 (P = 1 is ddiloco-int4)")
     if args.budget < 0 or args.dp_steps < 0 or args.learners < 0:
         p.error("--budget, --dp-steps and --learners must be positive")
+    try:
+        args.sweep_h = sorted({int(h) for h in args.sweep.split(",") if h.strip()})
+    except ValueError:
+        p.error(f"--sweep: expected comma-separated whole numbers, got {args.sweep!r}")
+    if any(h < 1 for h in args.sweep_h):
+        p.error("--sweep: every H must be at least 1")
+    args.sweep_method_list = [m.strip() for m in args.sweep_methods.split(",") if m.strip()]
+    if [m for m in args.sweep_method_list if m not in SWEEP_METHODS] or (args.sweep_h and not args.sweep_method_list):
+        p.error(f"--sweep-methods: choose from {SWEEP_METHODS}")
+    if args.model and args.model not in MODEL_SETTINGS and not args.quick and not args.budget:
+        p.error(f"--model {args.model}: give --budget (a token budget is set only for {sorted(MODEL_SETTINGS)})")
     return args
+
+
+def bench_preset(args: argparse.Namespace) -> "quality.Preset":
+    """The quality preset, with --model's size (and that model's budget and evaluation
+    interval) and --budget applied."""
+    preset = quality.PRESETS["quick" if args.quick else "cpu"]
+    if args.model:
+        extra = {} if args.quick else MODEL_SETTINGS.get(args.model, {})
+        preset = dataclasses.replace(preset, name=f"{preset.name}-{args.model}",
+                                     model=dataclasses.replace(MODEL_PRESETS[args.model]), **extra)
+    if args.budget:
+        preset = dataclasses.replace(preset, budget_tokens=args.budget)
+    return preset
+
+
+def result_suffix(args: argparse.Namespace) -> str:
+    """bandwidth[-quick][-<model>][-<profile> unless wan]: the committed files stay apart."""
+    parts = (["quick"] if args.quick else []) + ([args.model] if args.model else [])
+    if not args.quick and args.profile != "wan":
+        parts.append(args.profile)
+    return "".join(f"-{x}" for x in parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,11 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/bandwidth.py: {exc}", file=sys.stderr)
         return 2
     prov = start_provenance(args.allow_dirty or args.quick, "bandwidth")  # before anything runs
-    preset = quality.PRESETS["quick" if args.quick else "cpu"]
-    if args.budget:
-        preset = dataclasses.replace(preset, budget_tokens=args.budget)
+    preset = bench_preset(args)
     learners = args.learners or (2 if args.quick else quality.M)
-    suffix = "-quick" if args.quick else ("" if args.profile == "wan" else f"-{args.profile}")
+    suffix = result_suffix(args)
     runs = args.runs_dir or ROOT / "runs" / time.strftime(f"bandwidth{suffix}-%Y%m%d-%H%M%S")
     runs.mkdir(parents=True, exist_ok=True)
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -383,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     if "ddiloco-int4-fragments" in methods and not fragments_supported():
         methods.remove("ddiloco-int4-fragments")
         skipped["ddiloco-int4-fragments"] = "this build of ddiloco run has no --fragments flag"
+    methods += [sweep_name(m, h) for h in args.sweep_h if h != preset.inner_steps
+                for m in args.sweep_method_list]
     rows, series, rates = [], {}, {}
     timelines: dict[str, tuple[float | None, list]] = {}
     t_start = time.monotonic()
@@ -407,7 +544,12 @@ def main(argv: list[str] | None = None) -> int:
             report, links = run_ddiloco(method, base + method_flags(method, args.fragments), run_dir, learners,
                                         args.profile)
         events = read_events(run_dir)
-        row = make_row(method, args.profile, report, links, events, time.monotonic() - t0)
+        flags = method_flags(method, args.fragments)
+        h = int(flags[flags.index("--inner-steps") + 1]) if "--inner-steps" in flags else preset.inner_steps
+        p = int(flags[flags.index("--fragments") + 1]) if "--fragments" in flags else cfg.fragments
+        if method == "dp":  # all-reduces every step: no H, no fragments
+            h = p = None
+        row = make_row(method, args.profile, report, links, events, time.monotonic() - t0, inner_steps=h, fragments=p)
         row["run_dir"] = str(run_dir)
         rows.append(row)
         start = training_start(method, events)
@@ -416,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         rates[method] = [d["rate_mbit"] for d in links["datacenters"]]
         print(f"        {row['bytes_per_token']:.2f} B/token, peak {row['peak_mbps']:.2f} Mbit/s, final loss "
               f"{row['final_eval_loss']:.4f}, {row['elapsed_seconds']:.0f}s", file=sys.stderr, flush=True)
-    measured = [r["final_eval_loss"] for r in rows if r["final_eval_loss"] is not None]
+    # the sweep rows are not part of the target's rule: it stays the preset H's rows' worst loss
+    measured = [r["final_eval_loss"] for r in rows if r["final_eval_loss"] is not None and swept_from(r["method"]) is None]
     target = args.target_loss if args.target_loss is not None else (max(measured) if measured else None)
     for r in rows:
         if target is None:
@@ -441,8 +584,13 @@ def main(argv: list[str] | None = None) -> int:
             "budget_tokens": preset.budget_tokens,
             "inner_steps": cfg.learner.inner_steps,
             "fragments": args.fragments,
+            "model": dataclasses.asdict(cfg.model),
+            "parameters": model_parameters(cfg),
+            "sweep_h": args.sweep_h,
+            "sweep_methods": args.sweep_method_list if args.sweep_h else [],
             "target_loss": target,
-            "target_loss_rule": "given" if args.target_loss is not None else "highest final eval loss of the measured rows",
+            "target_loss_rule": "given" if args.target_loss is not None
+            else "highest final eval loss of the measured rows at the preset H (the sweep rows excluded)",
             "method_flags": {m: method_flags(m, args.fragments) for m in methods if m != "dp"},
             "skipped": skipped,
             "run_config": json.loads(cfg.to_json()),
@@ -466,12 +614,15 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     png_path = args.results_dir / f"bandwidth{suffix}.png"
     plotted = plot(series, rates, png_path, args.profile)
+    frontier_path = args.results_dir / f"bandwidth{suffix}-frontier.png"
+    plotted_frontier = plot_frontier(rows, frontier_path, args.profile, preset)
     print(markdown_table(rows, target))
     print()
     print(targets_table(checks))
     for m, why in skipped.items():
         print(f"\n{m}: not run: {why}")
-    print(f"\n{json_path}" + (f"\n{png_path}" if plotted else "") + f"\nrun folders: {runs}  "
+    print(f"\n{json_path}" + (f"\n{png_path}" if plotted else "") + (f"\n{frontier_path}" if plotted_frontier else "")
+          + f"\nrun folders: {runs}  "
           f"({result['config']['total_seconds']:.0f}s)")
     return 0
 

@@ -31,7 +31,8 @@ def quick(tmp_path_factory):
         pytest.skip(NOT_ROOT_REASON)
     results = tmp_path_factory.mktemp("results")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bandwidth.py"), "--quick", "--results-dir", str(results),
+        [sys.executable, str(ROOT / "bench" / "bandwidth.py"), "--quick", "--sweep", "10", "--sweep-methods", "ddiloco-int4",
+         "--results-dir", str(results),
          "--runs-dir", str(tmp_path_factory.mktemp("runs"))],
         capture_output=True, text=True, timeout=900,
     )
@@ -43,8 +44,10 @@ def test_one_invocation_measures_every_method(quick):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((results / "bandwidth-quick.json").read_text())
     methods = [r["method"] for r in data["rows"]]
-    expected = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
+    expected = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments", "ddiloco-int4-h10"]
     assert methods == [m for m in expected if m not in data["config"]["skipped"]]
+    assert [r["inner_steps"] for r in data["rows"]] == [None, 5, 5, 5, 5, 10]  # the quick preset's H, then the sweep's
+    assert data["config"]["sweep_h"] == [10] and data["config"]["parameters"] > 0
     assert "ddiloco-int4-fragments" in methods, data["config"]["skipped"]
     assert_provenance(data["config"])
     for r in data["rows"]:
@@ -56,6 +59,8 @@ def test_one_invocation_measures_every_method(quick):
         assert 0 < r["compute_utilization"] <= 1
         assert r["kernel_bytes"] >= r["app_bytes"] > 0, r["method"]  # headers on top of the payload
     by = {r["method"]: r for r in data["rows"]}
+    # twice the H at the same codec: about half the bytes per token (both directions, framing aside)
+    assert 0.35 < by["ddiloco-int4-h10"]["bytes_per_token"] / by["ddiloco-int4"]["bytes_per_token"] < 0.75
     # full fp32 gradients every step against int4 deltas every H steps
     assert by["dp"]["bytes_per_token"] > 5 * by["ddiloco-int4"]["bytes_per_token"]
     assert by["ddiloco-int8"]["bytes_per_token"] < by["diloco-sync"]["bytes_per_token"]  # int8 vs fp32 deltas
@@ -64,6 +69,8 @@ def test_one_invocation_measures_every_method(quick):
 
 def test_table_and_plot(quick):
     proc, results = quick
-    assert "| method | profile | bytes/token |" in proc.stdout and "| ddiloco-int4 | wan |" in proc.stdout
-    png = results / "bandwidth-quick.png"
-    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| method | profile | H | bytes/token |" in proc.stdout and "| ddiloco-int4 | wan | 5 |" in proc.stdout
+    assert "| ddiloco-int4-h10 | wan | 10 |" in proc.stdout
+    for name in ("bandwidth-quick.png", "bandwidth-quick-frontier.png"):
+        png = results / name
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
