@@ -159,3 +159,15 @@ def test_a_model_whose_width_does_not_split_into_its_heads_is_refused(tmp_path):
     cfg.model.d_model, cfg.model.n_head = 100, 3
     assert problems(cfg) == ["model.d_model (100) must be a multiple of model.n_head (3)"]
     assert problems(RunConfig()) == []
+
+
+def test_a_chunk_size_the_services_channels_cannot_carry_is_refused():
+    from ddiloco.common.config import RunConfig
+    from ddiloco.common.config_rules import MAX_CHUNK_BYTES, problems
+    from ddiloco.common.rpc import MAX_MESSAGE_BYTES
+
+    cfg = RunConfig()
+    cfg.learner.chunk_bytes = MAX_CHUNK_BYTES
+    assert problems(cfg) == [] and MAX_CHUNK_BYTES < MAX_MESSAGE_BYTES
+    cfg.learner.chunk_bytes = MAX_CHUNK_BYTES + 1
+    assert problems(cfg) == [f"learner.chunk_bytes must be from 1 KiB to 8 MiB, got {MAX_CHUNK_BYTES + 1}"]

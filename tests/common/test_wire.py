@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ddiloco.common import codec, errors, wire
+from ddiloco.common.config_rules import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
 from ddiloco.common.rpc import CLIENT_OPTIONS, SERVER_OPTIONS
 from ddiloco.common.transport import OuterClient
 from ddiloco.v1 import common_pb2, outer_pb2, outer_pb2_grpc
@@ -65,8 +66,9 @@ def test_the_handlers_cover_every_method_of_the_service():
 class _Echo(outer_pb2_grpc.OuterOptimizerServicer):
     """Keeps what was pushed; serves it back, as a real stream of the given chunk size."""
 
-    def __init__(self, frames: bool) -> None:
+    def __init__(self, frames: bool, chunk_bytes: int = 65536) -> None:
         self.frames = frames
+        self.chunk_bytes = chunk_bytes
         self.payload = b""
 
     def PushDelta(self, request_iterator, context):
@@ -77,7 +79,7 @@ class _Echo(outer_pb2_grpc.OuterOptimizerServicer):
         info = common_pb2.PayloadInfo(payload_bytes=len(self.payload))
         header = outer_pb2.GlobalHeader(version=request.have_version, payload=info)
         make = wire.stream_frames if self.frames else wire.stream_messages
-        yield from make(outer_pb2.GlobalChunk, header, self.payload, 65536)
+        yield from make(outer_pb2.GlobalChunk, header, self.payload, self.chunk_bytes)
 
 
 @pytest.fixture(params=["fast-server", "generated-server"])
@@ -113,6 +115,38 @@ def test_push_and_pull_round_trip_over_grpc_with_either_kind_of_peer(served, siz
         stub = outer_pb2_grpc.OuterOptimizerStub(ch)
         chunks = list(stub.PullGlobal(outer_pb2.PullGlobalRequest(have_version=2), timeout=30))
         assert chunks[0].header.version == 2 and b"".join(c.data for c in chunks) == payload
+
+
+def _specs(n: int) -> list:
+    return [common_pb2.TensorSpec(name=f"blocks.{i}.attn.c_proj.weight", shape=[4096, 4096]) for i in range(n)]
+
+
+def test_the_largest_chunk_a_run_may_set_crosses_the_services_channels_with_a_full_header(served):
+    """A run may set learner.chunk_bytes up to MAX_CHUNK_BYTES; the first message carries the
+    header beside such a chunk, and the channels the services build must carry it both ways
+    (they once allowed 8 MiB messages while the run allowed 64 MiB chunks, and every upload
+    was refused by the learner's own channel)."""
+    address, echo = served
+    echo.chunk_bytes = MAX_CHUNK_BYTES
+    size = 2 * MAX_CHUNK_BYTES + 3
+    payload = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+    info = common_pb2.PayloadInfo(payload_bytes=size, tensors=_specs(5000))
+    client = OuterClient(address, "r", 1, chunk_bytes=MAX_CHUNK_BYTES)
+    try:
+        header = outer_pb2.DeltaHeader(run_id="r", learner_id=1, seq=7, payload=info)
+        assert client.push_payload(header, payload, timeout=60).global_version == 7
+        assert bytes(echo.payload) == payload
+        _, got = client.pull_payload(0, 1, timeout=60)
+        assert bytes(got) == payload
+    finally:
+        client.close()
+
+
+def test_a_header_too_large_for_a_message_is_refused_before_anything_is_sent():
+    header = outer_pb2.DeltaHeader(payload=common_pb2.PayloadInfo(tensors=_specs(30_000)))
+    assert header.ByteSize() > MAX_HEADER_BYTES
+    with pytest.raises(ValueError, match="stream header of .* bytes is over the"):
+        next(wire.stream_frames(outer_pb2.DeltaChunk, header, b"x", 1024))
 
 
 def test_an_encoded_payload_crosses_and_decodes():

@@ -19,6 +19,12 @@ from ddiloco.common.config import RunConfig
 MAX_RANKS_PER_LEARNER = 16
 MAX_LEARNERS = 1_000_000  # learner ids live in [0, 2M) (coordinator); shards are one per learner
 MAX_FRAGMENTS = 1024
+# The largest chunk of a delta or download stream. A stream's first message carries its
+# header beside the first chunk, so a gRPC message must hold a chunk and a header
+# (common/rpc.py sizes the message limit from both); a chunk the limit could not carry
+# would have every upload refused by the client's own channel.
+MAX_CHUNK_BYTES = 8 << 20
+MAX_HEADER_BYTES = 1 << 20  # a header's tensor specs: about 10,000 tensors in one fragment
 
 
 def _finite(x) -> bool:
@@ -65,7 +71,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learner.warmup_steps", None, _nonneg, "a non-negative number of steps"),
     ("learner.grad_clip", None, _pos, "a positive number"),
     ("learner.block_size", "--block-size", lambda x: _between(2, 1 << 20)(x) and x % 2 == 0, "an even integer from 2 to 1048576"),
-    ("learner.chunk_bytes", None, _between(1024, 64 << 20), "from 1 KiB to 64 MiB"),
+    ("learner.chunk_bytes", None, _between(1024, MAX_CHUNK_BYTES), f"from 1 KiB to {MAX_CHUNK_BYTES >> 20} MiB"),
     ("learner.pull_poll_s", None, _pos, "a positive number of seconds"),
     ("learner.max_coalesce_windows", "--max-coalesce-windows", _between(1, 1024), "1 to 1024"),
     ("learner.ranks", "--ranks-per-learner", _between(1, MAX_RANKS_PER_LEARNER), f"1 to {MAX_RANKS_PER_LEARNER} processes"),

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ddiloco.common import errors
+from ddiloco.common.config_rules import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
 from ddiloco.common.security import Security
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,9 @@ def refusals_as_status(context, on_refusal: Callable[[errors.Refused], None] | N
         context.abort(status_code(exc), exc.message)
 
 
-MAX_MESSAGE_BYTES = 8 << 20  # chunks are 1 MiB by default; this only bounds a misbehaving peer
+# One message: a chunk of the largest size a run may set, and a header beside it. It bounds
+# what one message of a misbehaving peer can make a receiver hold.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MAX_HEADER_BYTES
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),

@@ -21,6 +21,7 @@ import numpy as np
 
 from ddiloco.common import codec as codec_mod
 from ddiloco.common import errors
+from ddiloco.common.config_rules import MAX_HEADER_BYTES
 from ddiloco.common.rpc import chunks
 from ddiloco.v1 import common_pb2, outer_pb2
 
@@ -128,6 +129,8 @@ def stream_frames(message_cls, header, payload, chunk_bytes: int) -> Iterator:
     docstring); for a stub or handler whose serializer is ``serialize``."""
     if chunk_bytes <= 0:
         raise ValueError("chunk size must be positive")
+    if header.ByteSize() > MAX_HEADER_BYTES:  # else the peer's channel refuses the first message
+        raise ValueError(f"a stream header of {header.ByteSize()} bytes is over the {MAX_HEADER_BYTES} a message leaves it")
     view = memoryview(payload)
     yield message_cls(header=header, data=bytes(view[:chunk_bytes]))
     for i in range(chunk_bytes, len(view), chunk_bytes):
