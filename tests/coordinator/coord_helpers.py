@@ -22,10 +22,11 @@ def run_signature(stub) -> coordinator_pb2.ModelSignature:
     return _SIGNATURES[cfg_json]
 
 
-def register(stub, requested=-1, run_id="", token=None, model=None, ranks=0):
+def register(stub, requested=-1, run_id="", token=None, model=None, ranks=0, address="x:1", datacenter=""):
     """Register as a learner process would; ``token`` None: a new process each call."""
     req = coordinator_pb2.RegisterRequest(
-        address="x:1",
+        address=address,
+        datacenter=datacenter,
         requested_learner_id=requested,
         run_id=run_id,
         instance_token=token if token is not None else secrets.token_hex(8),

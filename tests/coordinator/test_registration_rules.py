@@ -11,6 +11,7 @@ import pytest
 from coord_helpers import announce_outer, coordinator, membership, register, run_signature, snapshot  # noqa: F401
 
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
+from ddiloco.coordinator.membership import MAX_ADDRESS_CHARS, MAX_DATACENTER_CHARS
 from ddiloco.coordinator.signature import signature_of
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
@@ -49,6 +50,20 @@ def test_a_group_larger_than_the_run_allows_is_refused(stub, ranks):
     refused(lambda: register(stub, ranks=ranks), grpc.StatusCode.INVALID_ARGUMENT, f"1 to {MAX_RANKS_PER_LEARNER}")
     assert snapshot(stub) == before
     assert register(stub, ranks=MAX_RANKS_PER_LEARNER).learner_id >= 0  # the largest allowed group is welcome
+
+
+@pytest.mark.parametrize("field,limit", [("address", MAX_ADDRESS_CHARS), ("datacenter", MAX_DATACENTER_CHARS)])
+def test_strings_longer_than_their_field_allows_are_refused_and_the_membership_still_answers(stub, field, limit):
+    """A learner's address and datacenter are kept, persisted and sent back in every
+    GetMembership answer: two registrations of a 4 MB address once pushed that answer past
+    the message limit, so every later lookup failed, and the restart reloaded them."""
+    before = snapshot(stub)
+    for n in (limit + 1, 4_000_000):
+        refused(lambda: register(stub, **{field: "a" * n}), grpc.StatusCode.INVALID_ARGUMENT, f"{field} must be at most {limit}")
+    assert snapshot(stub) == before
+    got = register(stub, **{field: "a" * limit}).learner_id
+    (member,) = [m for m in membership(stub).members if m.learner_id == got]
+    assert getattr(member, field) == "a" * limit
 
 
 def test_the_membership_is_bounded_by_the_id_space(stub):

@@ -59,6 +59,12 @@ STATE_NAMES = {
     coordinator_pb2.RUN_STATE_FINISHED: "finished",
 }
 MAX_TOKEN_CHARS = 128
+# What a caller's strings may hold. They are kept, persisted in state.json and sent back in
+# every GetMembership answer, so one unbounded string would push that answer past the
+# message limit and make every later lookup (the outer optimizer's included) fail, even
+# after a restart.
+MAX_ADDRESS_CHARS = 255  # HOST:PORT; a DNS name is at most 253 characters
+MAX_DATACENTER_CHARS = 64
 
 
 def max_learner_ids(config: RunConfig) -> int:
@@ -191,6 +197,10 @@ class Membership:
                 f"ranks must be 0 (the run's) or 1 to {MAX_RANKS_PER_LEARNER} (the processes of the learner's group), "
                 f"got {req.ranks}"
             )
+        if len(req.address) > MAX_ADDRESS_CHARS:
+            raise InvalidArgument(f"address must be at most {MAX_ADDRESS_CHARS} characters (HOST:PORT), got {len(req.address)}")
+        if len(req.datacenter) > MAX_DATACENTER_CHARS:
+            raise InvalidArgument(f"datacenter must be at most {MAX_DATACENTER_CHARS} characters, got {len(req.datacenter)}")
         requested = req.requested_learner_id
         if not -1 <= requested < self.max_ids:
             raise InvalidArgument(
@@ -276,7 +286,7 @@ class Membership:
         """Outer shard ``shard`` serves at ``address`` (again, after a restart)."""
         if not 0 <= shard < len(self.outer_shards):
             raise InvalidArgument(f"outer shard {shard} does not exist; the run has {len(self.outer_shards)} (--outer-shards)")
-        if not address or len(address) > 255:
+        if not address or len(address) > MAX_ADDRESS_CHARS:
             raise InvalidArgument(f"an outer shard's address is HOST:PORT, got {address[:64]!r}")
         with self.lock:
             self.outer_shards[shard] = address
