@@ -102,3 +102,13 @@ def test_the_domain_modules_pick_no_status_codes(service):
     for shared in ("wire", "auth", "ratelimit"):
         source = open(importlib.import_module(f"ddiloco.common.{shared}").__file__).read()
         assert "StatusCode" not in source, shared
+
+
+def test_a_refusal_quoting_a_huge_caller_string_stays_short_and_says_how_long_it_was():
+    """Refusal messages quote what the caller sent and travel back to it, into metrics.jsonl
+    and into the coordinator's recent events: a 1 MB run id once made a 1 MB event line."""
+    exc = errors.FailedPrecondition(f"delta is for run {'r' * 1_000_000!r}, this is run 'run'")
+    assert len(exc.message) == errors.MAX_MESSAGE_CHARS and str(exc) == exc.message
+    assert exc.message.startswith("delta is for run 'rrr") and exc.message.endswith("... [1000038 characters]")
+    short = errors.InvalidArgument("fragment 9 does not exist; this run has 4")
+    assert short.message == "fragment 9 does not exist; this run has 4"

@@ -9,10 +9,25 @@ its counters. What each class means for a given call is said where it is raised.
 from __future__ import annotations
 
 
+# A refusal's message quotes what the caller sent (a run id, a tensor name); it goes back to
+# the caller, into metrics.jsonl and into the coordinator's recent events, so a caller's
+# megabyte-long string must not become a megabyte in each of those.
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message``, cut to ``limit`` characters and saying how long it was."""
+    if len(message) <= limit:
+        return message
+    note = f"... [{len(message)} characters]"
+    return message[: max(0, limit - len(note))] + note
+
+
 class Refused(Exception):
     """A request the service will not act on."""
 
     def __init__(self, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.message = message
 

@@ -213,7 +213,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._authorize(context, "PullGlobal", request.learner_id)
         self._limit(context, "PullGlobal", request.learner_id)
         if request.run_id and request.run_id != svc.config.run_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):
             svc.state.fragment(request.fragment)  # InvalidArgument: not a fragment of this shard
             # a download view holds a full fragment copy: only for learners the run has
@@ -258,7 +258,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._authorize(context, "UploadOffset", header.learner_id)
         self._limit(context, "UploadOffset", header.learner_id)
         if header.run_id != svc.config.run_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {header.run_id!r} is not run {svc.config.run_id!r}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {header.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):
             svc.known.check(header.learner_id)
         return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
@@ -267,7 +267,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         self._authorize(context, "ReadFragment")
         if request.run_id != svc.config.run_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"run {request.run_id!r} is not run {svc.config.run_id!r}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):  # InvalidArgument: not a fragment of this shard
             version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
         enc = codec.encode(arrays, "fp32")
