@@ -76,3 +76,29 @@ def test_a_base_newer_than_the_fragment_or_no_longer_tracked_is_refused():
     frag.prune_versions(max_staleness_rounds=0, round_tokens=500)
     with pytest.raises(errors.FailedPrecondition, match="no longer tracked"):
         admission.check_staleness(frag, 0, 0, 0, round_tokens=1000, max_rounds=4)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp32"])
+def test_a_declared_payload_is_at_most_what_the_fragment_encodes_to(name):
+    import numpy as np
+
+    from ddiloco.common import codec
+    from ddiloco.common.wire import payload_info
+
+    shapes = [(300, 70), (70,)]
+    rng = np.random.default_rng(0)
+    enc = codec.encode([(f"t{i}", rng.normal(size=s).astype(np.float32)) for i, s in enumerate(shapes)], name, 64)
+    info = payload_info(enc)
+    admission.check_payload_size(0, info, shapes)  # a real encoding passes
+    info.payload_bytes = codec.payload_bound(codec.raw_size(name, 64, enc.specs))
+    admission.check_payload_size(0, info, shapes)  # so does the bound itself
+    info.payload_bytes += 1
+    with pytest.raises(errors.InvalidArgument, match=f"fragment 0 in {name} .* takes at most"):
+        admission.check_payload_size(0, info, shapes)
+
+
+@pytest.mark.parametrize("codec_id, block, message", [(77, 64, "unknown codec 77"), (2, 0, "block size 0"), (2, 63, "block size 63")])
+def test_a_header_with_an_unknown_codec_or_an_odd_block_is_refused_before_any_size_arithmetic(codec_id, block, message):
+    info = common_pb2.PayloadInfo(codec=codec_id, block_size=block, payload_bytes=10)
+    with pytest.raises(errors.InvalidArgument, match=message):
+        admission.check_payload_size(0, info, [(10,)])

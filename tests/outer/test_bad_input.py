@@ -258,3 +258,33 @@ def test_finalize_while_the_run_is_running_is_refused(probe):
         probe, lambda: probe.stub.Finalize(outer_pb2.FinalizeRequest(), timeout=30), grpc.StatusCode.FAILED_PRECONDITION,
         "RUN_STATE_RUNNING",
     )
+
+
+def _lazy_stream(header, sent: list, messages: int = 200, chunk: int = 1 << 20):
+    """A push of ``messages`` chunks of ``chunk`` bytes, made only as gRPC takes them;
+    ``sent`` counts those taken after the header's."""
+    yield outer_pb2.DeltaChunk(header=header, data=bytes(chunk))
+    for _ in range(messages - 1):
+        sent.append(1)
+        yield outer_pb2.DeltaChunk(data=bytes(chunk))
+
+
+@pytest.mark.parametrize("case", ["unregistered", "repeated-seq", "larger-than-the-fragment", "unknown-codec"])
+def test_a_delta_refused_on_its_header_is_not_received_past_it(probe, case):
+    """The header is checked when it arrives: a push that its header already condemns costs
+    the server its first message, not the 200 MiB it declares (the run's delta limit is 256
+    MiB). Before, every check waited for the whole payload."""
+    enc = codec.encode(probe.delta(), "int8", 64)
+    header = probe.header(enc, probe.seq, probe.ids[0], base_version=probe.global_state()[0])
+    header.payload.payload_bytes = 200 << 20
+    code, match = grpc.StatusCode.INVALID_ARGUMENT, "takes at most"
+    if case == "unregistered":
+        header.learner_id, code, match = 99, grpc.StatusCode.PERMISSION_DENIED, "not registered"
+    elif case == "repeated-seq":
+        header.seq, code, match = 1, grpc.StatusCode.ALREADY_EXISTS, "already accepted"
+    elif case == "unknown-codec":
+        header.payload.codec, match = 77, "unknown codec 77"
+    sent: list = []
+    refused(probe, lambda: probe.stub.PushDelta(_lazy_stream(header, sent), timeout=60), code, match)
+    # what flow control let the client queue before the refusal came back, far from 199
+    assert len(sent) < 50, len(sent)

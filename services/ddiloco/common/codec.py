@@ -104,6 +104,13 @@ def raw_size(codec: str, block_size: int, specs: tuple[TensorSpec, ...]) -> int:
     return total
 
 
+def payload_bound(raw: int) -> int:
+    """The most bytes a payload of ``raw`` uncompressed bytes can take as sent: raw itself,
+    or zstd's worst case (zstd's own bound is raw + raw/256 + under 64 KiB / 2048 for small
+    inputs, plus a frame header; this leaves room above all of it)."""
+    return raw + (raw >> 7) + (1 << 12)
+
+
 def digest_of(payload, fmt: int = FORMAT) -> str:
     """The digest a header of format ``fmt`` carries for ``payload`` (hex)."""
     if fmt == 1:

@@ -188,6 +188,7 @@ def reassemble(
     what: str,
     resume: Callable[[object], bytes] | None = None,
     on_break: Callable[[object, bytes], None] | None = None,
+    admit: Callable[[object], None] | None = None,
 ):
     """Collect a header-then-data stream; returns (header, payload as a ``memoryview`` of
     the buffer it was received into: handing it on as it is saves a copy of the whole
@@ -195,6 +196,8 @@ def reassemble(
 
     The header's declared size is checked against ``max_payload_bytes`` (the caller's
     bound, from the run) before the buffer is made; no more than it declares is accepted.
+    ``admit(header)``, if given, checks the rest of the header then (raising
+    ``errors.Refused``), so a refused stream is not read past its first message.
 
     Resumable uploads: a header whose ``offset`` is not 0 continues a broken upload; after
     checking that the offset lies inside the declared size, ``resume(header)`` returns the
@@ -218,6 +221,8 @@ def reassemble(
                     raise errors.ResourceExhausted(
                         f"{what}: payload of {declared} bytes exceeds the limit of {max_payload_bytes}"
                     )
+                if admit is not None:
+                    admit(header)
                 offset = getattr(header, "offset", 0)  # uploads only
                 if offset:
                     if resume is None:

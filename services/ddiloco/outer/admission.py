@@ -44,6 +44,7 @@ import torch
 from ddiloco.common import codec, merge
 from ddiloco.common.config import RunConfig
 from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from ddiloco.common.wire import PB_TO_CODEC
 from ddiloco.outer.records import Fragment
 
 MAX_BATCH_FACTOR = 16
@@ -108,6 +109,25 @@ def check_address(config: RunConfig, run_id: str, seq: int, fragment: int, fragm
         raise InvalidArgument(f"sequence numbers start at 1, got {seq}")
     if not 0 <= fragment < fragments:
         raise InvalidArgument(f"fragment {fragment} does not exist; this run has {fragments}")
+
+
+def check_payload_size(fragment: int, info, shapes: Sequence[tuple[int, ...]]) -> None:
+    """Refuse a header (``PayloadInfo`` ``info``) whose codec or block size is unknown, or
+    whose declared payload is larger than the fragment's tensors of ``shapes`` can encode
+    to. Checked on the header, before the payload is received: the declared size is what
+    the receiver allocates and waits for."""
+    name = PB_TO_CODEC.get(info.codec)
+    if name is None:
+        raise InvalidArgument(f"unknown codec {info.codec}")
+    if name != "fp32" and (info.block_size < 2 or info.block_size % 2):
+        raise InvalidArgument(f"block size {info.block_size} is not an even number of at least 2")
+    specs = tuple(codec.TensorSpec("", tuple(s), "float32") for s in shapes)
+    most = codec.payload_bound(codec.raw_size(name, info.block_size, specs))
+    if info.payload_bytes > most:
+        raise InvalidArgument(
+            f"header declares {info.payload_bytes} payload bytes; fragment {fragment} in {name} "
+            f"(block {info.block_size}) takes at most {most}"
+        )
 
 
 def check_tensors(fragment: int, specs, names: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> None:

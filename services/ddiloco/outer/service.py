@@ -173,6 +173,13 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
         return itertools.chain([first], request_iterator)  # reassemble refuses a headless stream
 
+    def _admit_header(self, header) -> None:
+        """A delta's header, checked when it arrives (before its payload is read): from a
+        registered learner, and acceptable as far as a header can tell (OuterState.check_header)."""
+        if header.run_id == self.svc.config.run_id:
+            self.svc.known.check(header.learner_id)
+        self.svc.state.check_header(header)
+
     def PushDelta(self, request_iterator, context):
         svc = self.svc
         t0 = time.monotonic()
@@ -184,10 +191,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         try:
             with refusals_as_status(context, on_refusal=refused):
                 header, payload = reassemble(
-                    messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload, on_break=svc.keep_broken
+                    messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload,
+                    on_break=svc.keep_broken, admit=self._admit_header,
                 )
-                if header.run_id == svc.config.run_id:
-                    svc.known.check(header.learner_id)
                 version, discount = svc.state.accept(header, payload)
             svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
         except StorageError as exc:

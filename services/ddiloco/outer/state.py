@@ -164,6 +164,29 @@ class OuterState:
         with self.lock:
             return self._learner_locks.setdefault(learner_id, threading.Lock())
 
+    def check_header(self, header: outer_pb2.DeltaHeader) -> None:
+        """Refuse a delta on its header alone, before its payload is received: everything
+        ``accept`` checks that needs no payload (the run, the work figures, the fragment,
+        the tensors, the declared size against what the fragment encodes to, the sequence,
+        the staleness). A refused push then costs its first message, not its payload.
+        ``accept`` checks again: the state may move while the payload arrives."""
+        cfg = self.config
+        admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
+        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight())
+        frag = self.fragment(header.fragment)
+        with self.lock:  # in accept's order: a retry of an accepted delta hears ALREADY_EXISTS
+            rec = self.learners.get(header.learner_id)
+            try:
+                admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted if rec else 0)
+                self._check_staleness(frag, header.base_version, header.learner_id)
+            except Refused:
+                if rec is not None:
+                    rec.refused += 1  # as accept counts it: the push ends here
+                raise
+        names, shapes = [self.names[i] for i in frag.tensor_ids], [self.shapes[i] for i in frag.tensor_ids]
+        admission.check_tensors(frag.index, header.payload.tensors, names, shapes)
+        admission.check_payload_size(frag.index, header.payload, shapes)
+
     def accept(self, header: outer_pb2.DeltaHeader, payload: bytes) -> tuple[int, float]:
         """Validate, journal and queue one delta. Returns (fragment version, staleness discount).
 
