@@ -133,7 +133,7 @@ class System:
         self.specs = self.remote.specs
         lc = self.config.learner
         self.h, self.batch, self.context = lc.inner_steps, lc.batch_size, self.config.model.context
-        self.max_steps = lc.max_coalesce_windows * self.h
+        self.max_steps = lc.max_delta_steps()
         self.tokens = self.h * self.batch * self.context
         self.max_compute = self.max_steps * self.config.lease_timeout_s
         self.max_bytes = self.config.outer.max_delta_bytes

@@ -102,3 +102,19 @@ def test_a_header_with_an_unknown_codec_or_an_odd_block_is_refused_before_any_si
     info = common_pb2.PayloadInfo(codec=codec_id, block_size=block, payload_bytes=10)
     with pytest.raises(errors.InvalidArgument, match=message):
         admission.check_payload_size(0, info, [(10,)])
+
+
+@pytest.mark.parametrize("align, sync, longest", [(True, False, 30), (False, False, 20), (True, True, 20)])
+def test_one_window_as_long_as_phase_alignment_makes_it_is_admitted_even_without_coalescing(align, sync, longest):
+    """Alignment lengthens a window by up to H/2 and the uploader never splits one: with
+    --max-coalesce-windows 1 the 30-step window of H = 20 was refused, and the learner that
+    sent it exited on INVALID_ARGUMENT."""
+    cfg = RunConfig(run_id="r")
+    cfg.learner.inner_steps, cfg.learner.max_coalesce_windows = 20, 1
+    cfg.learner.align_windows, cfg.learner.sync = align, sync
+    step_weight = cfg.learner.batch_size * cfg.model.context
+    admission.check_work(cfg, longest * step_weight, longest, 1.0, step_weight)
+    with pytest.raises(errors.InvalidArgument, match=f"outside \\[1, {longest}\\]"):
+        admission.check_work(cfg, (longest + 1) * step_weight, longest + 1, 1.0, step_weight)
+    cfg.learner.max_coalesce_windows = 4  # coalescing allows more than one lengthened window
+    admission.check_work(cfg, 80 * step_weight, 80, 1.0, step_weight)

@@ -113,6 +113,17 @@ class LearnerConfig:
     # the gain of one.
     ranks: int = 1
 
+    def longest_window(self) -> int:
+        """Inner steps of the longest single window a learner trains: H, or H + H/2 where
+        phase alignment may lengthen it (asynchronous mode)."""
+        return self.inner_steps + (self.inner_steps // 2 if self.align_windows and not self.sync else 0)
+
+    def max_delta_steps(self) -> int:
+        """The most inner steps one delta may hold: ``max_coalesce_windows`` windows of H, or
+        one window as long as alignment makes it, whichever is more. A window is never split,
+        so with one window per delta a lengthened window must still be admitted."""
+        return max(self.max_coalesce_windows * self.inner_steps, self.longest_window())
+
 
 @dataclass
 class OuterConfig:

@@ -113,7 +113,7 @@ class Uploader:
         self.learner_id = learner_id
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
         self.max_windows = max(1, cfg.max_coalesce_windows)
-        self.max_steps = self.max_windows * cfg.inner_steps  # what the outer optimizer admits
+        self.max_steps = cfg.max_delta_steps()  # what the outer optimizer admits
         self.backoff_initial_s = 0.2
         self.backoff_max_s = 5.0
         self.queue: collections.deque[Window] = collections.deque()  # not yet sent, oldest first

@@ -9,8 +9,9 @@ FAILED_PRECONDITION for a delta of another run or too stale) and the state does 
 
 Bounds and why
 --------------
-* ``inner_steps``: at least 1, at most ``max_coalesce_windows x H``: the learner's uploader
-  never sums more windows than that into one delta (it waits instead, see
+* ``inner_steps``: at least 1, at most ``max_coalesce_windows x H`` (or one window as long
+  as phase alignment makes it, H + H/2, if that is more: ``LearnerConfig.max_delta_steps``):
+  the learner's uploader never sums more than that into one delta (it waits instead, see
   ``learner/uploader.py``).
 * ``tokens``: the summed ``batch_weight`` of the delta's batches, at least 1 per step and at
   most ``MAX_BATCH_FACTOR x`` the run's step weight per step (the workload's
@@ -58,11 +59,12 @@ def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds
     """Refuse a header whose work figures no learner of this run could produce;
     ``step_weight``: the run's workload's ``step_weight()``."""
     h = config.learner.inner_steps
-    max_steps = config.learner.max_coalesce_windows * h
+    max_steps = config.learner.max_delta_steps()
     if not 1 <= inner_steps <= max_steps:
         raise InvalidArgument(
             f"inner_steps={inner_steps} is outside [1, {max_steps}] "
-            f"(H={h} x at most {config.learner.max_coalesce_windows} coalesced windows)",
+            f"(H={h} x at most {config.learner.max_coalesce_windows} coalesced windows, "
+            f"or one window of at most {config.learner.longest_window()} steps)",
         )
     max_per_step = MAX_BATCH_FACTOR * step_weight
     if not inner_steps <= tokens <= inner_steps * max_per_step:
@@ -90,7 +92,7 @@ def check_magnitude(
     lcfg = config.learner
     # error feedback carries the previous upload's rounding, of a delta of up to this many steps
     qmax = codec.QMAX.get(lcfg.codec) if lcfg.error_feedback else None
-    max_steps = lcfg.max_coalesce_windows * lcfg.inner_steps
+    max_steps = lcfg.max_delta_steps()
     for name, t, p_linf in zip(names, tensors, param_linf):
         bound = merge.delta_linf_bound(inner_steps, lcfg.lr, lcfg.weight_decay, p_linf, qmax=qmax, max_steps=max_steps)
         peak = linf(t)
