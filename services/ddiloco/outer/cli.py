@@ -54,13 +54,15 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.outer.checkpoint import CheckpointError
     from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
     from ddiloco.outer.service import ShardError
+    from ddiloco.outer.state import ModelFitError
 
     try:
         svc.start()
     except InterruptedError:
         return 0  # stopped by a signal before the coordinator answered
-    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt, ShardError) as exc:
-        # state on disk that cannot be trusted: say which file and stop, no traceback
+    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt, ShardError, ModelFitError) as exc:
+        # state on disk that cannot be trusted, or a run that cannot hold its model: say
+        # what and stop, no traceback
         print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)
         return 1
     return svc.wait()

@@ -47,7 +47,7 @@ import time
 import numpy as np
 import torch
 
-from ddiloco.common import merge
+from ddiloco.common import codec, merge
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.fragments import partition, shard_fragments
@@ -64,6 +64,27 @@ from ddiloco.v1 import outer_pb2
 log = logging.getLogger(__name__)
 
 CLOSED_MESSAGE = "the run is finalized: no delta is acknowledged or merged any more"
+
+
+class ModelFitError(ValueError):
+    """The run's configuration cannot hold its model: more fragments than tensors, or a
+    fragment whose delta is larger than the outer optimizer admits. Raised at start: a run
+    that could never merge must not start and stall."""
+
+
+def check_fragments_fit(config: RunConfig, fragment_shapes: list[list[tuple[int, ...]]]) -> None:
+    """Every fragment's delta, in the run's codec, within ``outer.max_delta_bytes``. Else each
+    upload of the largest fragments would be refused (RESOURCE_EXHAUSTED) and retried
+    forever, and the run would train on without ever merging."""
+    lcfg, limit = config.learner, config.outer.max_delta_bytes
+    for f, shapes in enumerate(fragment_shapes):
+        specs = tuple(codec.TensorSpec("", s, "float32") for s in shapes)
+        size = codec.raw_size(lcfg.codec, lcfg.block_size, specs)
+        if size > limit:
+            raise ModelFitError(
+                f"fragment {f}'s delta takes {size} bytes in {lcfg.codec}, over outer.max_delta_bytes "
+                f"({limit}): raise that limit or split the model into more fragments (--fragments)"
+            )
 
 
 class OuterState:
@@ -86,7 +107,11 @@ class OuterState:
         self.shapes = [tuple(p.shape) for _, p in named]
         self.shard = shard
         # every fragment's tensors (this shard builds records for its own only)
-        self.parts = partition([p.numel() for _, p in named], config.fragments)
+        try:
+            self.parts = partition([p.numel() for _, p in named], config.fragments)
+        except ValueError as exc:  # more fragments than the model has tensors
+            raise ModelFitError(f"--fragments {config.fragments}: {exc}") from exc
+        check_fragments_fit(config, [[self.shapes[i] for i in part] for part in self.parts])
         owned = shard_fragments(shard, config.outer_shards, config.fragments)  # raises for a shard the run lacks
         self.owned_ids = sorted(i for f in owned for i in self.parts[f])
         mine = set(self.owned_ids)
