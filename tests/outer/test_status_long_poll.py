@@ -63,3 +63,31 @@ def test_a_wait_beyond_the_bound_is_refused(outer):
         outer.stub.GetStatus(outer_pb2.StatusRequest(wait_newer_than=0, wait_ms=3_600_000), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "wait_ms" in info.value.details()
+
+
+def test_long_polls_beyond_their_bound_are_answered_at_once_and_pushes_still_get_through(outer):
+    """Any member of the run may long-poll; polls opened without end once held every server
+    thread (16 + 4 per learner), queueing pushes and pulls behind them. Beyond
+    max_waiting_polls they are answered at once (the learner polls again at its pace)."""
+    from support import wait_until
+
+    from ddiloco.outer.service import max_waiting_polls
+
+    bound = max_waiting_polls(1)  # the fixture's run plans one learner; its server has 20 threads
+    polls = 2 * bound + 5
+    version = outer.status().version
+    answered: list = []
+
+    def poll():
+        answered.append(outer.stub.GetStatus(outer_pb2.StatusRequest(wait_newer_than=version, wait_ms=8000), timeout=30))
+
+    threads = [threading.Thread(target=poll) for _ in range(polls)]
+    for t in threads:
+        t.start()
+    # those over the bound come back unchanged without waiting; the rest still wait
+    wait_until(lambda: len(answered) >= polls - bound, 6, f"{polls - bound} polls over the bound to be answered")
+    assert all(s.version == version for s in answered)
+    assert outer.push(seq=10).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED  # a thread is free for it
+    for t in threads:
+        t.join(15)
+    assert len(answered) == polls and max(s.version for s in answered) > version  # the waiters heard the merge

@@ -68,6 +68,15 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
 
 
+def max_waiting_polls(learners: int) -> int:
+    """Long polls (GetStatus with wait_ms) that may wait at once: two per planned learner and
+    a margin. The server has 16 + 4 per learner threads; a caller that opens polls without
+    end (any member of the run may call GetStatus) would otherwise hold every thread and
+    queue pushes and pulls behind them. A poll over the bound is answered at once, and the
+    learner polls again at its own pace (learner/puller.py)."""
+    return 8 + 2 * learners
+
+
 class ShardError(ValueError):
     """This process was started as a shard the run does not have."""
 
@@ -146,6 +155,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self.auth = auth.Authorizer(service.options.security, POLICY)
         rate = service.config.outer.learner_calls_per_s
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
+        self.waiting = threading.BoundedSemaphore(max_waiting_polls(service.config.learners))
 
     def _authorize(self, context, method: str, learner_id: int | None = None):
         with refusals_as_status(context):
@@ -244,12 +254,16 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"wait_ms={request.wait_ms} is above {MAX_STATUS_WAIT_MS}"
                 )
-            state = svc.state
-            with state.lock:
-                state.lock.wait_for(
-                    lambda: state.version > request.wait_newer_than or svc.stop_event.is_set(),
-                    timeout=request.wait_ms / 1000,
-                )
+            if self.waiting.acquire(blocking=False):
+                try:
+                    state = svc.state
+                    with state.lock:
+                        state.lock.wait_for(
+                            lambda: state.version > request.wait_newer_than or svc.stop_event.is_set(),
+                            timeout=request.wait_ms / 1000,
+                        )
+                finally:
+                    self.waiting.release()
         return svc.status()
 
     def Finalize(self, request, context):
