@@ -47,7 +47,7 @@ def test_an_interval_of_30_days_is_accepted(path):
 def test_the_time_budget_is_at_most_a_year():
     assert problems(with_value("max_seconds", float(MAX_RUN_SECONDS))) == []
     assert problems(with_value("max_seconds", 1e10)) == [
-        "--max-seconds must be a positive duration of at most 365 days, got 10000000000.0"]
+        "--max-seconds must be a positive, finite duration of at most 365 days, got 10000000000.0"]
 
 
 def test_a_heartbeat_below_10_ms_is_refused():

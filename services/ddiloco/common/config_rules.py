@@ -67,7 +67,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learners", "--learners", _between(1, MAX_LEARNERS), f"an integer from 1 to {MAX_LEARNERS:,}"),
     ("fragments", "--fragments", _between(1, MAX_FRAGMENTS), f"an integer from 1 to {MAX_FRAGMENTS}"),
     ("outer_shards", "--outer-shards", _between(1, MAX_FRAGMENTS), "an integer from 1 to --fragments"),
-    ("max_seconds", "--max-seconds", _between(0, MAX_RUN_SECONDS, lo_open=True), "a positive duration of at most 365 days"),
+    ("max_seconds", "--max-seconds", _between(0, MAX_RUN_SECONDS, lo_open=True), "a positive, finite duration of at most 365 days"),
     ("max_tokens", "--max-tokens", _nonneg, "0 (no token budget) or a positive number of tokens"),
     ("seed", "--seed", _between(0, 2**63 - 1), "an integer from 0 to 2^63 - 1"),
     ("heartbeat_interval_s", None, _between(MIN_HEARTBEAT_S, MAX_INTERVAL_S), "from 0.01 s to 30 days (2592000 s)"),
