@@ -5,7 +5,7 @@ the coordinator's own lease and heartbeat bookkeeping is tested in tests/coordin
 
 from __future__ import annotations
 
-from ddiloco.outer.known_learners import RESPONSIVE_HEARTBEAT_MS, KnownLearners
+from ddiloco.outer.known_learners import RESPONSIVE_HEARTBEAT_MS, KnownLearners, responsive_window_ms
 from ddiloco.v1 import coordinator_pb2
 
 
@@ -42,3 +42,27 @@ def test_before_the_first_answer_and_while_learners_join_every_planned_learner_i
     known.refresh()
     assert known.responsive_count(planned=4) == 4  # 2 of 4 registered: still joining
     assert known.responsive_count(planned=4, join_timeout_s=0.0) == 1  # joining is over
+
+
+def test_learners_heartbeating_every_5_s_count_as_responsive_between_heartbeats():
+    # heartbeat_interval_s = 5 (an accepted setting): 4.9 s after a heartbeat a learner is
+    # on time, and a restart hold must wait for it; one silent for 3 intervals and more is not
+    members = [member(0, ms=4900), member(1, ms=15_000), member(2, ms=15_001)]
+    known = KnownLearners(CannedCoordinator(members), heartbeat_interval_s=5.0)
+    known.refresh()
+    assert known.responsive_count(planned=3) == 2
+
+
+def test_the_interval_set_once_the_run_configuration_is_known_counts_from_the_next_refresh():
+    known = KnownLearners(CannedCoordinator([member(0, ms=4900)]))
+    known.refresh()
+    assert known.responsive_count(planned=1) == 0  # a heartbeat a second: 4.9 s is silent
+    known.heartbeat_interval_s = 5.0
+    known.refresh()
+    assert known.responsive_count(planned=1) == 1
+
+
+def test_the_window_is_three_intervals_and_never_below_3_s():
+    assert responsive_window_ms(1.0) == RESPONSIVE_HEARTBEAT_MS == 3000
+    assert responsive_window_ms(0.25) == 3000
+    assert responsive_window_ms(5.0) == 15_000

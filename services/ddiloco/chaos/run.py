@@ -22,7 +22,9 @@ from ddiloco.chaos.partition import NetnsPartitioner
 from ddiloco.common.interrupts import StopSignals
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.launcher.processes import Cluster
-from ddiloco.launcher.run import LaunchOptions, LaunchResult, pacing_flags, progress_line, run_tls
+from ddiloco.launcher.run import (
+    LaunchOptions, LaunchResult, pacing_flags, progress_line, run_tls, supervision_timeout_s,
+)
 from ddiloco.launcher.topology import make_topology
 
 
@@ -107,7 +109,7 @@ def _coordinator(cluster: Cluster):
 
 
 def _supervise(cluster: Cluster, backend: LocalBackend, options: LaunchOptions, notes: list[str]) -> dict[str, int]:
-    deadline = time.monotonic() + options.timeout_s
+    deadline = time.monotonic() + supervision_timeout_s(options)
     last_print = 0.0
     while True:
         coord = _coordinator(cluster)

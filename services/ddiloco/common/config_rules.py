@@ -25,6 +25,23 @@ MAX_FRAGMENTS = 1024
 # would have every upload refused by the client's own channel.
 MAX_CHUNK_BYTES = 8 << 20
 MAX_HEADER_BYTES = 1 << 20  # a header's tensor specs: about 10,000 tensors in one fragment
+# Every interval of a run (heartbeat, lease, drain, polls, evaluation, grace) ends up in a
+# threading wait, which raises OverflowError beyond threading.TIMEOUT_MAX (about 292 years)
+# and kills the service. 30 days is far beyond any interval a run could want and far below
+# that limit, and in milliseconds (the leases on the wire) it is exact in an int64.
+MAX_INTERVAL_S = 30 * 86400
+# The time budget: a year, as the coordinator bounds a learner's life when there is none
+# (coordinator/stats_rules.py); the chaos schedule waits within it.
+MAX_RUN_SECONDS = 365 * 86400
+# A heartbeat is an RPC to the coordinator; below 10 ms it is a busy loop on both ends (and
+# below 1 ms it would travel as 0 ms, a learner heartbeating without pause).
+MIN_HEARTBEAT_S = 0.01
+# Shard s of a run samples its epoch e with torch.Generator().manual_seed((data.seed + s) *
+# 1_000_003 + e) (common/data.py), which refuses seeds beyond 2^64 - 1. With s below
+# MAX_LEARNERS and e below 2^48 (more epochs than 10,000 steps a second of 16 ranks for the
+# longest budget could read, each epoch at least one batch), the product stays in range
+# for data.seed up to 2^44 - 1: (2^44 - 1 + 10^6) x 1,000,003 + 2^48 < 2^64.
+MAX_DATA_SEED = 2**44 - 1
 
 
 def _finite(x) -> bool:
@@ -50,12 +67,13 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learners", "--learners", _between(1, MAX_LEARNERS), f"an integer from 1 to {MAX_LEARNERS:,}"),
     ("fragments", "--fragments", _between(1, MAX_FRAGMENTS), f"an integer from 1 to {MAX_FRAGMENTS}"),
     ("outer_shards", "--outer-shards", _between(1, MAX_FRAGMENTS), "an integer from 1 to --fragments"),
-    ("max_seconds", "--max-seconds", _pos, "a positive, finite duration"),
+    ("max_seconds", "--max-seconds", _between(0, MAX_RUN_SECONDS, lo_open=True), "a positive, finite duration of at most 365 days"),
     ("max_tokens", "--max-tokens", _nonneg, "0 (no token budget) or a positive number of tokens"),
     ("seed", "--seed", _between(0, 2**63 - 1), "an integer from 0 to 2^63 - 1"),
-    ("heartbeat_interval_s", None, _pos, "a positive number of seconds"),
-    ("lease_timeout_s", "--lease-timeout", _pos, "a positive number of seconds, more than the heartbeat interval"),
-    ("drain_timeout_s", None, _pos, "a positive number of seconds"),
+    ("heartbeat_interval_s", None, _between(MIN_HEARTBEAT_S, MAX_INTERVAL_S), "from 0.01 s to 30 days (2592000 s)"),
+    ("lease_timeout_s", "--lease-timeout", _between(0, MAX_INTERVAL_S, lo_open=True),
+     "a number of seconds more than the heartbeat interval, up to 30 days (2592000 s)"),
+    ("drain_timeout_s", None, _between(0, MAX_INTERVAL_S, lo_open=True), "a positive number of seconds up to 30 days (2592000 s)"),
     ("model.n_layer", None, _between(1, 1024), "an integer from 1 to 1024"),
     ("model.n_head", None, _between(1, 1024), "an integer from 1 to 1024"),
     ("model.d_model", None, _between(1, 1 << 16), "an integer from 1 to 65536, a multiple of model.n_head"),
@@ -64,6 +82,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("data.max_bytes", "--data-bytes", _pos, "a positive number of bytes"),
     ("data.eval_every_nth_doc", None, _between(2, 1 << 20), "an integer of at least 2"),
     ("data.eval_windows", None, _between(1, 1 << 20), "an integer from 1 to 1048576"),
+    ("data.seed", None, _between(0, MAX_DATA_SEED), "an integer from 0 to 2^44 - 1"),
     ("learner.batch_size", "--batch-size", _between(1, 1 << 16), "an integer from 1 to 65536"),
     ("learner.inner_steps", "--inner-steps", _between(1, 1 << 20), "an integer from 1 to 1048576"),
     ("learner.lr", "--lr", _pos, "a positive, finite learning rate"),
@@ -72,7 +91,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learner.grad_clip", None, _pos, "a positive number"),
     ("learner.block_size", "--block-size", lambda x: _between(2, 1 << 20)(x) and x % 2 == 0, "an even integer from 2 to 1048576"),
     ("learner.chunk_bytes", None, _between(1024, MAX_CHUNK_BYTES), f"from 1 KiB to {MAX_CHUNK_BYTES >> 20} MiB"),
-    ("learner.pull_poll_s", None, _pos, "a positive number of seconds"),
+    ("learner.pull_poll_s", None, _between(0, MAX_INTERVAL_S, lo_open=True), "a positive number of seconds up to 30 days (2592000 s)"),
     ("learner.max_coalesce_windows", "--max-coalesce-windows", _between(1, 1024), "1 to 1024"),
     ("learner.ranks", "--ranks-per-learner", _between(1, MAX_RANKS_PER_LEARNER), f"1 to {MAX_RANKS_PER_LEARNER} processes"),
     ("outer.lr", "--outer-lr", _pos, "a positive, finite learning rate"),
@@ -82,10 +101,10 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("outer.full_gain_rounds", "--full-gain-rounds", _between(1, 1024), "a number of rounds from 1 to 1024"),
     ("outer.overlap_steps", "--overlap-steps", _nonneg, "0 (= H) or a positive number of steps"),
     ("outer.grace_gamma", None, _between(0, 1), "a fraction in [0, 1]"),
-    ("outer.max_grace_s", None, _nonneg, "0 (= the lease timeout) or a positive number of seconds"),
+    ("outer.max_grace_s", None, _between(0, MAX_INTERVAL_S), "0 (= the lease timeout) or a positive number of seconds up to 30 days (2592000 s)"),
     ("outer.max_staleness_rounds", "--max-staleness", _pos, "a positive number of rounds"),
     ("outer.checkpoint_every", "--checkpoint-every", _between(1, 1 << 30), "an integer of at least 1"),
-    ("outer.eval_interval_s", "--eval-interval", _pos, "a positive number of seconds"),
+    ("outer.eval_interval_s", "--eval-interval", _between(0, MAX_INTERVAL_S, lo_open=True), "a positive number of seconds up to 30 days (2592000 s)"),
     ("outer.max_delta_bytes", None, _between(1024, 1 << 40), "from 1 KiB to 1 TiB"),
     ("outer.learner_calls_per_s", None, lambda x: x == 0 or _between(0.01, 1e6)(x), "0 (no limit) or 0.01 to 1e6 calls a second"),
 ]

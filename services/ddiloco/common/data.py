@@ -119,6 +119,22 @@ def load_corpus(cfg: DataConfig, num_shards: int) -> Corpus:
     )
 
 
+def check_shards(corpus: Corpus, context: int, batch_size: int) -> None:
+    """Raise ``ValueError`` unless every shard holds one batch of ``batch_size`` windows of
+    ``context + 1`` bytes (what ``ShardSampler`` needs), naming the smallest shard. Reads
+    only the shards' sizes, so it stays cheap for the largest learner count."""
+    need = batch_size * context + 1
+    sizes = [int(s.size) for s in corpus.shards]
+    smallest = min(range(len(sizes)), key=sizes.__getitem__)
+    if sizes[smallest] < need:
+        short = sum(1 for size in sizes if size < need)
+        raise ValueError(
+            f"shard {smallest} of {len(sizes)} (the smallest) holds {sizes[smallest]:,} bytes, but one batch of "
+            f"{batch_size} windows of {context} bytes needs {need:,} (shards below that: {short:,} of "
+            f"{len(sizes):,}); use fewer learners (--learners) or more data (--data-bytes, --data)"
+        )
+
+
 class ShardSampler:
     """Deterministic batches of (context + 1)-byte windows from one shard."""
 

@@ -87,7 +87,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             outer_address=svc.members.outer_address,
             outer_shards=svc.members.outer_shards,
             lease_ms=int(cfg.lease_timeout_s * 1000),
-            heartbeat_ms=int(cfg.heartbeat_interval_s * 1000),
+            # never 0 ms: a learner would heartbeat without pause (config_rules bounds the
+            # interval at 10 ms; this holds for a configuration that bypassed the rules too)
+            heartbeat_ms=max(1, round(cfg.heartbeat_interval_s * 1000)),
         )
 
     def Heartbeat(self, request, context):

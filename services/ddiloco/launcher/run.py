@@ -27,7 +27,9 @@ class LaunchOptions:
     step_seconds: float = 0.0  # every learner's step at least this long (dedicated hardware; common/pacing.py)
     progress: bool = True
     resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
-    timeout_s: float = 3600.0  # beyond the run's own budget, a hard stop for a wedged run
+    # a hard stop for a wedged run, in seconds from launch; None: derived from the run's
+    # configuration (hard_timeout_s), so that a long budget is never cut short
+    timeout_s: float | None = None
     # /metrics on every service and the coordinator's status page, on free ports, listed in
     # RUN/endpoints.json
     monitoring: bool = True
@@ -51,6 +53,42 @@ class LaunchResult:
 
 class RunFolderInUse(Exception):
     pass
+
+
+# The budget clock starts when the first learner joins (coordinator/membership.py); before
+# that every service starts and the first learner downloads the model. The chaos controller
+# waits as long for the processes to start (chaos/controller.py).
+START_ALLOWANCE_S = 600.0
+# After the drain: the final checkpoint and report, and time the coordinator was down (a
+# restart under chaos), which the budget clock does not count. The same hour the
+# coordinator allows a learner's lifetime beyond its budget (coordinator/stats_rules.py).
+STOP_MARGIN_S = 3600.0
+
+
+def hard_timeout_s(cfg: RunConfig) -> float:
+    """Seconds, from when its processes have started, after which a run that has not ended
+    is wedged: start-up, the time budget, the drain, and a margin."""
+    return START_ALLOWANCE_S + cfg.max_seconds + cfg.drain_timeout_s + STOP_MARGIN_S
+
+
+def supervision_timeout_s(options: LaunchOptions) -> float:
+    """``options.timeout_s`` if given, else the hard timeout of the configuration the
+    coordinator builds from the same run flags and environment."""
+    if options.timeout_s is not None:
+        return options.timeout_s
+    import argparse
+
+    from ddiloco.common.runflags import run_config_from_args
+    from ddiloco.coordinator.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    try:
+        cfg = run_config_from_args(parser.parse_args(options.run_flags))
+    except SystemExit:
+        # flags the coordinator refuses: it exits at once, and the deadline never matters
+        cfg = RunConfig()
+    return hard_timeout_s(cfg)
 
 
 def launch(options: LaunchOptions) -> LaunchResult:
@@ -154,7 +192,7 @@ def _learn_addresses(cluster: Cluster, endpoints: Endpoints, m) -> None:
 
 
 def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints: Endpoints) -> None:
-    deadline = time.monotonic() + options.timeout_s
+    deadline = time.monotonic() + supervision_timeout_s(options)
     display: Progress | None = None
     last_print = 0.0
     last_look = 0.0

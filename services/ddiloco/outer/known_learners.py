@@ -13,19 +13,31 @@ from ddiloco.common.errors import PermissionDenied, Unavailable
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
-# A learner whose last heartbeat (one a second) is older than this is not waited for by a
-# restart hold: a process killed moments after an outer restart keeps its lease for the
+# A learner whose last heartbeat is older than its responsiveness window is not waited for
+# by a restart hold: a process killed moments after an outer restart keeps its lease for the
 # lease timeout (10 s), and a hold that waited out that lease let every other learner train
 # on the pre-outage base the whole time (a 9.3-round backlog in the chaos ablation bench,
 # against 3.7 rounds for the same outer kill without the learner kill; docs/chaos.md).
-RESPONSIVE_HEARTBEAT_MS = 3000
+# The window is three heartbeat intervals (a heartbeat late twice is still a live learner's),
+# and never less than 3 s: at the default interval of 1 s that is the window measured above.
+RESPONSIVE_HEARTBEAT_MS = 3000  # the floor
+RESPONSIVE_HEARTBEATS = 3
+
+
+def responsive_window_ms(heartbeat_interval_s: float) -> float:
+    """How long since its last heartbeat a learner still counts as responsive, for a run
+    whose learners heartbeat every ``heartbeat_interval_s``."""
+    return max(RESPONSIVE_HEARTBEAT_MS, RESPONSIVE_HEARTBEATS * heartbeat_interval_s * 1000)
 
 
 class KnownLearners:
     """Which learner ids the coordinator has registered, refreshed on a miss."""
 
-    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub) -> None:
+    def __init__(self, stub: coordinator_pb2_grpc.CoordinatorStub, heartbeat_interval_s: float = 1.0) -> None:
         self._stub = stub
+        # the run's heartbeat interval (RunConfig.heartbeat_interval_s); the owner sets it
+        # again once it has the run's configuration from the coordinator
+        self.heartbeat_interval_s = heartbeat_interval_s
         self._ids: set[int] = set()
         self._live: int | None = None
         self._responsive: int | None = None
@@ -39,12 +51,11 @@ class KnownLearners:
 
     def refresh(self) -> None:
         resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+        window_ms = responsive_window_ms(self.heartbeat_interval_s)
         with self._lock:
             self._ids = {m.learner_id for m in resp.members}
             self._live = sum(1 for m in resp.members if m.alive)
-            self._responsive = sum(
-                1 for m in resp.members if m.alive and m.ms_since_heartbeat <= RESPONSIVE_HEARTBEAT_MS
-            )
+            self._responsive = sum(1 for m in resp.members if m.alive and m.ms_since_heartbeat <= window_ms)
             self._members = len(resp.members)
             self.last_state = resp.state
             self.outer_shards = list(resp.outer_shards) or [resp.outer_address]
@@ -69,7 +80,7 @@ class KnownLearners:
         return self._count("_live", planned, join_timeout_s)
 
     def responsive_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
-        """Learners holding a lease that heartbeated within ``RESPONSIVE_HEARTBEAT_MS``: those
+        """Learners holding a lease that heartbeated within ``responsive_window_ms``: those
         a restart hold waits for (a dead one's lease outlives it by up to the lease timeout).
         Until the planned M have joined (or ``join_timeout_s`` passed) it is M, as for
         ``live_count``."""

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ddiloco.common.data import CorpusCache, ShardSampler, eval_windows
+from ddiloco.common.data import CorpusCache, ShardSampler, check_shards, eval_windows
 from ddiloco.common.model import build_model
 from ddiloco.workloads.checked import WorkloadError
 
@@ -43,6 +43,9 @@ class ByteGPT:
         while True:  # batch k is a pure function of k: epochs follow each other endlessly
             yield sampler.batch(index)
             index += 1
+
+    def check_data(self, num_shards: int) -> None:
+        check_shards(self._corpus(num_shards), self.run.model.context, self.run.learner.batch_size)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         x, y = batch

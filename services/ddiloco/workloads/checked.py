@@ -75,6 +75,20 @@ class Workload:
             raise self.error(f"train_batches() returned a {type(source).__name__}, not an iterator") from None
         return self._endless(it, shard, start)
 
+    def check_data(self, num_shards: int) -> None:
+        """The optional ``check_data(num_shards)``: raises ``WorkloadError`` when some shard
+        could not give a batch, so that the run is refused before a learner dies at its
+        first batch (the preflight tries batches of shard 0 only)."""
+        check = getattr(self.impl, "check_data", None)
+        if check is None:
+            return
+        try:
+            check(num_shards)
+        except WorkloadError:
+            raise
+        except ValueError as exc:
+            raise self.error(str(exc)) from None
+
     def _endless(self, it: Iterator[Any], shard: int, start: int) -> Iterator[Any]:
         index = start
         for batch in it:

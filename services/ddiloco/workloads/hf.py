@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddiloco.common.data import CorpusCache, ShardSampler, eval_windows
+from ddiloco.common.data import CorpusCache, ShardSampler, check_shards, eval_windows
 from ddiloco.workloads.checked import WorkloadError
 
 BYTES = 256
@@ -92,6 +92,9 @@ class HFCausalLM:
         while True:
             yield sampler.batch(index)
             index += 1
+
+    def check_data(self, num_shards: int) -> None:
+        check_shards(self._corpus(num_shards), self.context, self.batch)
 
     def _logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(input_ids=x).logits

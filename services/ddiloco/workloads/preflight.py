@@ -38,6 +38,7 @@ def _try(cfg: RunConfig, workload: Workload) -> None:
             "model() gives other initial parameters each time it is called under the same seed; every learner "
             "must build the same model (use torch's global RNG, which ddiloco seeds, or seed your own)"
         )
+    workload.check_data(cfg.learners)  # every shard, by size: trying batches of each would not scale
     batch = next(workload.train_batches(0, cfg.learners, cfg.data.seed, 0))
     workload.batch_weight(batch)
     with torch.no_grad():
