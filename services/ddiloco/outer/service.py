@@ -336,6 +336,7 @@ class OuterService:
             stop=self.stop_event,
         )
         self.config = RunConfig.from_json(resp.config_json)
+        self.known.heartbeat_interval_s = self.config.heartbeat_interval_s  # who counts as responsive
         shard, shards = self.options.shard, self.config.outer_shards
         if not 0 <= shard < shards:
             raise ShardError(f"--shard {shard}: the run has {shards} outer shard{'s' if shards > 1 else ''} (0 to {shards - 1})")
@@ -482,7 +483,7 @@ class OuterService:
                 # down, and merging the first arrivals alone would make the others look stale.
                 # The hold ends as soon as they are all in, so even a process that crashes
                 # every few seconds still merges; a learner that stopped heartbeating is not
-                # waited for (its lease outlives it; known_learners.RESPONSIVE_HEARTBEAT_MS).
+                # waited for (its lease outlives it; known_learners.responsive_window_ms).
                 # Only deltas accepted since this start count: one replayed from the journal
                 # was sent before the crash, and the work its learner trained during the
                 # outage is still on the way (counting replays ended a chaos-bench hold before
