@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.common.ratelimit import RateLimited, RateLimiter
+from ddiloco.common.ratelimit import RateLimited, RateLimiter, retry_after
 
 
 class Clock:
@@ -61,3 +61,23 @@ def test_the_buckets_kept_are_bounded_whatever_keys_callers_claim():
     assert len(limits._buckets) <= 100
     with pytest.raises(RateLimited):  # the newest caller is still held to its rate
         limits.take(9_999, "push")
+
+
+def test_a_client_tells_a_rate_limit_refusal_by_its_details_and_reads_its_wait():
+    """A client sees only the status details. RESOURCE_EXHAUSTED also means a payload too
+    big, every learner id held, a full disk or a message over the channel's limit: none of
+    those reads as a rate limit, so none is waited out as one."""
+    limits = RateLimiter(rate=2.0, burst=1, clock=Clock())
+    limits.take("a", "PullGlobal of learner 0")
+    with pytest.raises(RateLimited) as info:
+        limits.take("a", "PullGlobal of learner 0")
+    assert retry_after(info.value.message) == pytest.approx(0.5)
+    for other in (
+        "delta: payload of 9000 bytes exceeds the limit of 4096",
+        "all 4 learner ids of this run are held by live learners",
+        "No space left on device; the delta was not acknowledged, send it again later",
+        "Received message larger than max (9437184 vs. 9437183)",
+        "",
+        None,
+    ):
+        assert retry_after(other) is None

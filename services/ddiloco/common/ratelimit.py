@@ -9,11 +9,20 @@ learner id, but without it any number can be claimed.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Callable, Hashable
 
 from ddiloco.common.errors import ResourceExhausted
+
+
+# The end of a refusal's message, which is all a client sees of it (the status details).
+# RESOURCE_EXHAUSTED also says "too big" or "out of disk", which waiting does not cure in a
+# known time; ``retry_after`` tells a rate-limit refusal from those by this phrase, and
+# reads the wait from it. The message is written (``refusal_message``) and read here only,
+# so the two cannot drift apart.
+_RETRY_IN = re.compile(r"calls/s \(burst [^)]*\); retry in (\d+(?:\.\d+)?) s$")
 
 
 class RateLimited(ResourceExhausted):
@@ -22,6 +31,17 @@ class RateLimited(ResourceExhausted):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def refusal_message(what: str, rate: float, burst: float, wait: float) -> str:
+    return f"{what}: more than {rate:g} calls/s (burst {burst:g}); retry in {wait:.2f} s"
+
+
+def retry_after(details: str | None) -> float | None:
+    """The wait a RESOURCE_EXHAUSTED status's details name if it is a rate-limit refusal
+    (``RateLimited``), None if it is anything else."""
+    m = _RETRY_IN.search(details or "")
+    return float(m.group(1)) if m else None
 
 
 class RateLimiter:
@@ -50,7 +70,7 @@ class RateLimiter:
             if tokens < 1.0:
                 self._buckets[key] = (tokens, now)
                 wait = (1.0 - tokens) / self.rate
-                raise RateLimited(f"{what}: more than {self.rate:g} calls/s (burst {self.burst:g}); retry in {wait:.2f} s", wait)
+                raise RateLimited(refusal_message(what, self.rate, self.burst, wait), wait)
             self._buckets[key] = (tokens - 1.0, now)
 
     def _evict(self, now: float) -> None:

@@ -23,6 +23,12 @@ Failures
 The puller runs under the learner's supervisor (``ddiloco.learner.supervision``): it must
 never end silently, or the learner trains on a base that never moves again.
 
+* a refusal by the outer optimizer's per-learner rate limit (RESOURCE_EXHAUSTED whose
+  details are a ``RateLimited`` message, ``ddiloco.common.ratelimit.retry_after``): the
+  same download is asked again after the wait it names (at least a backoff that doubles
+  per refusal in a row, at most ``RATE_LIMIT_MAX_WAIT_S``), for as long as it takes, at
+  start-up as in the loop. A limit slows a learner, it never fails it: the start-up pull
+  downloads every fragment back to back, more calls than a low limit's burst;
 * transient statuses (``ddiloco.common.rpc.TRANSIENT``, e.g. the outer optimizer
   restarting): polled again, for as long as it takes, as the uploader does;
 * a corrupt download (``CorruptDownload``: truncated, checksum mismatch, undecodable) is a
@@ -50,6 +56,7 @@ import grpc
 import numpy as np
 
 from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.ratelimit import retry_after
 from ddiloco.common.rpc import TRANSIENT, Backoff
 from ddiloco.common.transport import CorruptDownload, GlobalParams, OuterClient
 from ddiloco.learner.stats import Stats
@@ -66,6 +73,9 @@ DENIED_GRACE_S = 60.0
 # Statuses of a download that one more download may not repeat: damaged in transit, or an
 # unexpected error on the server's side.
 SERVER_FAULTS = frozenset({grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+# The longest wait after a rate-limit refusal, whatever wait it names: the slowest limit a
+# run may set (0.01 calls/s) names up to 100 s, and a wrong hint must not park the learner
+RATE_LIMIT_MAX_WAIT_S = 30.0
 
 
 class CopyMismatch(Exception):
@@ -97,8 +107,11 @@ class Puller:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 2.0,
         uploads_of: Callable[[int], int] | None = None,
+        wait: Callable[[threading.Event, float], bool] | None = None,
     ) -> None:
         self.client_factory = client_factory
+        # how a retry waits: ``wait(event, seconds)`` is True if the event was set meanwhile
+        self.wait = wait or (lambda event, seconds: event.wait(seconds))
         # deltas of a fragment this learner has sent; None: no bound (a puller on its own)
         self.uploads_of = uploads_of
         self.downloads = [0] * fragments  # changes downloaded by the loop, per fragment
@@ -117,13 +130,14 @@ class Puller:
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def pull_all(self, timeout: float = 300.0) -> list[FragmentCopy]:
+    def pull_all(self, timeout: float = 300.0, stop: threading.Event | None = None) -> list[FragmentCopy]:
         """Blocking download of every fragment, used at start-up. Transient statuses
-        propagate (the caller retries); corrupt downloads are retried here."""
+        propagate (the caller retries); corrupt downloads and rate-limit refusals are retried
+        here, a rate-limit wait cut short by ``stop`` (InterruptedError)."""
         client = self.client_factory()
         status = client.status()
         for f in range(len(self.copies)):
-            self._pull(client, f, self._mine(status, f), timeout)
+            self._pull(client, f, self._mine(status, f), timeout, stop)
         return list(self.copies)
 
     def start(self, supervisor: Supervisor) -> None:
@@ -180,16 +194,25 @@ class Puller:
                 out.append(fs.fragment)
         return out
 
-    def _pull(self, client: OuterClient, fragment: int, merged_mine: int, timeout: float) -> FragmentCopy:
-        """Download one fragment into its copy, retrying what a new download can repair."""
+    def _pull(
+        self, client: OuterClient, fragment: int, merged_mine: int, timeout: float, stop: threading.Event | None = None
+    ) -> FragmentCopy:
+        """Download one fragment into its copy, retrying what a new download can repair and
+        waiting out the rate limit."""
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         full = False  # after a mismatch, ask for the whole fragment
         failures = 0
+        limited = 0  # rate-limit refusals in a row
         while True:
             try:
                 got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout)
                 return self._apply(got, merged_mine)
             except grpc.RpcError as exc:
+                hint = retry_after(exc.details()) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if hint is not None:
+                    limited += 1
+                    self._wait_out_limit(fragment, exc.details(), hint, limited, stop)
+                    continue
                 if exc.code() not in SERVER_FAULTS:
                     raise
                 failures += 1
@@ -205,6 +228,20 @@ class Puller:
             log.warning("pull fragment %d: %s; asking again", fragment, reason)
             if backoff.wait(self.stop_event):
                 raise InterruptedError("pull: stopped while retrying")
+
+    def _wait_out_limit(self, fragment: int, details: str, hint: float, limited: int, stop: threading.Event | None) -> None:
+        """Wait as the rate limit asks before the same download is asked again. Not a
+        failure of the download (the limit holds it back, nothing is wrong with it), so it
+        does not count towards ``max_failures``; a wrong or rounded-down hint is covered by
+        a floor that doubles per refusal in a row, and the wait is bounded."""
+        floor = self.backoff_initial_s * 2 ** min(limited - 1, 30)
+        delay = min(RATE_LIMIT_MAX_WAIT_S, max(hint, floor))
+        self.metrics.event("pull_failed", learner=self.learner_id, fragment=fragment, reason=f"RESOURCE_EXHAUSTED: {details}")
+        if limited == 1:
+            log.info("pull fragment %d: %s; asking again in %.2f s", fragment, details, delay)
+        # at start-up the caller's event (the learner draining), in the loop the puller's own
+        if self.wait(self.stop_event if stop is None else stop, delay):
+            raise InterruptedError("pull: stopped while rate-limited")
 
     def _loop(self) -> None:
         denied_since: float | None = None

@@ -350,7 +350,9 @@ class Learner:
         # a group of R ranks reads R consecutive batches per step, this process the first
         self.batches = strided(workload.train_batches(*shard, self.batch_index), self.ranks)
         last_seqs = [next((r.last_seq for r in st.learners if r.learner_id == self.learner_id), 0) for st in statuses]
-        copies = call_with_retry(lambda: self.puller.pull_all(), what="initial pull", max_elapsed=300, stop=self.drain)
+        copies = call_with_retry(
+            lambda: self.puller.pull_all(stop=self.drain), what="initial pull", max_elapsed=300, stop=self.drain
+        )
         self.anchor = [p.detach().clone() for p in self.params]
         self.versions = [-1] * cfg.fragments
         for f, pulled in enumerate(copies):
