@@ -9,46 +9,23 @@ the merge closes and before that learner's window ends:
     usable = overlap x step - (upload + merge + download) - jitter
 
 * ``step`` is the fastest learner's seconds per inner step (a slower learner's longer
-  window does not give the fast one more time), ``overlap`` the overlap in steps (default H).
-  A learner's step time is the median of its last ``STEP_CLAIMS`` claims (compute seconds
-  over inner steps, from the headers of its accepted deltas), and a learner counts as the
-  fastest only once it has made ``MIN_CLAIMS`` of them (until some learner has, every
-  learner counts, so a run's first merges have a window too);
+  window does not give the fast one more time), ``overlap`` the overlap in steps (default H);
 * ``upload`` is measured from the first byte of a delta to its acknowledgement; the quorum
   starts counting when the first delta is acknowledged, so its upload is already spent;
 * ``merge`` and ``download`` are the running times of a merge and of serving a fragment;
-* ``jitter`` is how much that learner's window length deviates from its typical length (the
-  median absolute deviation of those claims from their median, times the overlap): a window
-  that ends early by that much must still find the merge done.
+* ``jitter`` is how much that learner's window length deviates from its mean (the running
+  mean absolute deviation of its step time, times the overlap): a window that ends early by
+  that much must still find the merge done.
 
 Until then, the window was half of ``overlap x step - (upload + merge)``, a fixed share
 kept for download and jitter; with the tiny model's half-second windows on two cores it
 closed a median 53 ms before the last learner of a round arrived (docs/algorithm.md).
-
-Why medians over a learner's own claims: a header's compute seconds are the learner's
-word, admitted from 0 up, and the fastest learner bounds the window for all. With one
-running average per learner (never dropped), a single accepted delta claiming ~0 s (a
-broken clock, or a learner that sends one such delta and leaves) made its sender the
-fastest and closed every window at the quorum for the rest of the run, so every
-straggler's delta merged a round stale. A median of five claims ignores up to two outliers
-among them, and a learner with fewer than three claims does not outvote those with three
-(a fast learner that joins late bounds the window from its third delta on). Out of reach
-is a learner that claims the same false time in most of its deltas: that is its step time
-as far as the outer optimizer can know.
-
-The upload, merge and download times are exponential moving averages (measured here, not
-claimed); nothing here reads a clock.
+All estimates are exponential moving averages; nothing here reads a clock.
 """
 
 from __future__ import annotations
 
-import collections
-import statistics
 import threading
-
-# claims of a learner's step time kept, and how many make its time count (see the module)
-STEP_CLAIMS = 5
-MIN_CLAIMS = 3
 
 
 class SyncTiming:
@@ -59,10 +36,8 @@ class SyncTiming:
         self.push_s = 0.0
         self.merge_s = 0.0
         self.pull_s = 0.0
-        # per learner: its last claims of seconds per inner step, their median and their median
-        # absolute deviation from it. Bounded by the learners the run has: callers validate
-        # the id before observing.
-        self._claims: dict[int, collections.deque[float]] = {}
+        # per learner: running mean seconds per inner step, and its mean absolute deviation.
+        # Bounded by the learners the run has: callers validate the id before observing.
         self.step_s: dict[int, float] = {}
         self.step_dev_s: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -74,11 +49,11 @@ class SyncTiming:
         with self._lock:
             self.push_s = self._ema(self.push_s, seconds)
             if compute_seconds > 0 and inner_steps > 0:
-                claims = self._claims.setdefault(learner, collections.deque(maxlen=STEP_CLAIMS))
-                claims.append(compute_seconds / inner_steps)
-                step = statistics.median(claims)
-                self.step_s[learner] = step
-                self.step_dev_s[learner] = statistics.median(abs(c - step) for c in claims)
+                step = compute_seconds / inner_steps
+                old = self.step_s.get(learner)
+                if old is not None:
+                    self.step_dev_s[learner] = self._ema(self.step_dev_s.get(learner, 0.0), abs(step - old))
+                self.step_s[learner] = self._ema(old, step)
 
     def observe_merge(self, seconds: float) -> None:
         with self._lock:
@@ -93,9 +68,7 @@ class SyncTiming:
         with self._lock:
             if not self.step_s:
                 return 0.0
-            # a learner's first claims do not outvote learners with enough of them (module)
-            counted = [lr for lr, claims in self._claims.items() if len(claims) >= MIN_CLAIMS] or self.step_s
-            fastest = min(counted, key=self.step_s.__getitem__)
+            fastest = min(self.step_s, key=self.step_s.__getitem__)
             window = overlap_steps * self.step_s[fastest]
             jitter = overlap_steps * self.step_dev_s.get(fastest, 0.0)
             usable = window - (self.push_s + self.merge_s + self.pull_s) - jitter
