@@ -3,6 +3,7 @@ ambiguous as an import once several test folders have one."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import importlib.util
@@ -14,6 +15,23 @@ import tempfile
 import time
 
 from ddiloco.common.health import check
+
+def parse_python(source: str) -> ast.Module:
+    """``ast.parse``, immune to a CPython 3.11 race: the AST converter keeps its recursion
+    depth in state shared by every thread, and 3.11 itself calls ``ast.parse`` to place the
+    carets of every traceback it formats. A traceback logged in another thread (a gRPC
+    request thread, a service loop) while this thread converts a tree makes the conversion
+    fail with ``SystemError: AST constructor recursion depth mismatch`` although the source
+    is fine. That error alone is retried; a syntax error, or the same SystemError five times
+    in a row, still fails."""
+    for attempt in range(5):
+        try:
+            return ast.parse(source)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
 
 # A tiny model and short windows keep every multi-process test within seconds on 2 cores.
 TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from support import parse_python
+
 SERVICES = pathlib.Path(__file__).resolve().parent.parent / "services"
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve", "marshal", "copyreg"}
 BANNED_BUILTINS = {"eval", "exec"}
@@ -38,7 +40,7 @@ def _dotted(node: ast.AST) -> str:
 def findings(source: str, where: str) -> list[str]:
     """Every unsafe deserialization in one module's source, as 'where:line: what'."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse_python(source)):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
             out += [f"{where}:{line}: import {a.name}" for a in node.names if a.name.split(".")[0] in BANNED_MODULES]

@@ -7,6 +7,8 @@ import ast
 import pathlib
 import re
 
+from support import parse_python
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "services" / "ddiloco"
 
@@ -16,7 +18,7 @@ def events_in_code() -> dict[str, set[str]]:
     ``("kind", {"field": ...})`` pair a service returns for logging."""
     kinds: dict[str, set[str]] = {}
     for path in SERVICES.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "event"
                     and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 kinds.setdefault(node.args[0].value, set()).update(kw.arg for kw in node.keywords if kw.arg)

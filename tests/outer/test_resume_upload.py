@@ -4,6 +4,7 @@ checked like any other. Offsets that do not match what is held are refused preci
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -60,17 +61,26 @@ def _header(client, g, enc, seq):
 
 
 def _break_after(client, header, payload, chunks: int, settle_s: float = 0.5) -> None:
-    """Stream the first ``chunks`` chunks, then fail on the client side: the call is cancelled."""
+    """Stream the first ``chunks`` chunks, then cancel the call from the client side, as a
+    link that goes down does. The request generator cancels the call and ends itself rather
+    than raising: gRPC logs a raising generator from its own thread after the call has
+    returned here, so the test would leave a thread formatting a traceback behind it."""
+    call = None
+    started = threading.Event()
 
     def frames():
         for i, frame in enumerate(stream_frames(outer_pb2.DeltaChunk, header, payload, CHUNK)):
             if i == chunks:
                 time.sleep(settle_s)  # what was sent arrives before the cancellation
-                raise ConnectionError("the link went down")
+                started.wait()
+                call.cancel()
+                return
             yield frame
 
-    with pytest.raises(grpc.RpcError):
-        client._push(frames(), timeout=30)
+    call = client._push.future(frames(), timeout=30)
+    started.set()
+    with pytest.raises((grpc.RpcError, grpc.FutureCancelledError)):
+        call.result()
 
 
 def _break_until_held(client, header, payload, chunks: int) -> int:
