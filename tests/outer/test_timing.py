@@ -58,3 +58,61 @@ def test_a_header_without_work_leaves_the_step_estimate_alone():
     t.observe_push(0.0, learner=0, compute_seconds=0.5, inner_steps=20)
     t.observe_push(0.0, learner=0, compute_seconds=0.0, inner_steps=0)
     assert t.step_s == {0: pytest.approx(0.025)}
+
+
+# The claim's floor: what the server measures between a learner's accepted deltas.
+
+def _pushes(t, learner, claim_s, steps, every_s, n, fragment=0, start=0.0):
+    """``n`` deltas of ``steps`` steps each claiming ``claim_s``, accepted ``every_s`` apart."""
+    for i in range(n):
+        t.observe_push(0.0, learner, claim_s, steps, fragment=fragment, arrived=start + i * every_s)
+
+
+def test_a_learner_claiming_no_compute_cannot_close_every_grace_window():
+    """One learner says each window took 1 us while it really uploads every 0.5 s: it used
+    to be the fastest for the whole run, and every grace window closed at the quorum (0 s).
+    Now its step time is at least half of what the server measured (12.5 ms, not 0)."""
+    t = timing()
+    _pushes(t, learner=0, claim_s=0.5, steps=20, every_s=0.5, n=5)  # honest: 25 ms a step
+    _pushes(t, learner=1, claim_s=1e-6, steps=20, every_s=0.5, n=5)
+    assert t.step_s[1] == pytest.approx(0.5 * 0.025)
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(20 * 0.5 * 0.025)  # half the window, not 0
+
+
+def test_an_honest_claim_is_taken_as_it_is_even_after_a_restart():
+    t = timing()
+    _pushes(t, learner=0, claim_s=0.4, steps=20, every_s=0.5, n=3)  # 20 ms claimed, 25 ms between uploads
+    t.observe_push(0.0, 0, 0.4, 20, arrived=1.0 + 30.0)  # restarted: one interval of 30 s
+    t.observe_push(0.0, 0, 0.4, 20, arrived=31.5)
+    assert t.step_s[0] == pytest.approx(0.020)
+    assert t.step_dev_s[0] == pytest.approx(0.0)
+
+
+def test_the_floor_is_the_shortest_of_the_recent_intervals_per_step():
+    t = timing()
+    t.observe_push(0.0, 0, 1e-6, 20, arrived=0.0)  # no interval yet: the claim counts as made
+    assert t.step_s[0] == pytest.approx(1e-6 / 20)
+    t.observe_push(0.0, 0, 1e-6, 20, arrived=10.0)  # 0.5 s a step
+    assert t.step_s[0] == pytest.approx(0.25)
+    t.observe_push(0.0, 0, 1e-6, 40, arrived=12.0)  # two windows in one delta: 50 ms a step
+    assert t.step_s[0] == pytest.approx(0.025)
+    _pushes(t, learner=0, claim_s=1e-6, steps=20, every_s=20.0, n=4, start=32.0)  # 4 slow intervals push the 50 ms out
+    assert t.step_s[0] == pytest.approx(0.5)
+
+
+def test_intervals_are_measured_per_fragment():
+    """With two fragments a learner uploads twice per window, one fragment at a time: the
+    interval between its uploads of any fragment is half a window, of the same fragment a
+    whole one."""
+    t = timing()
+    for i in range(4):
+        t.observe_push(0.0, 0, 1e-6, 20, fragment=0, arrived=i * 0.5)
+        t.observe_push(0.0, 0, 1e-6, 20, fragment=1, arrived=i * 0.5 + 0.25)
+    assert t.step_s[0] == pytest.approx(0.5 * 0.025)
+
+
+def test_without_arrival_times_there_is_no_floor():
+    t = timing()
+    t.observe_push(0.0, 0, 1e-6, 20)
+    t.observe_push(0.0, 0, 1e-6, 20)
+    assert t.step_s[0] == pytest.approx(1e-6 / 20)

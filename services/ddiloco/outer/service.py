@@ -205,7 +205,10 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                     on_break=svc.keep_broken, admit=self._admit_header,
                 )
                 version, discount = svc.state.accept(header, payload)
-            svc.timing.observe_push(time.monotonic() - t0, header.learner_id, header.compute_seconds, header.inner_steps)
+            now = time.monotonic()
+            svc.timing.observe_push(
+                now - t0, header.learner_id, header.compute_seconds, header.inner_steps, header.fragment, arrived=now,
+            )
         except StorageError as exc:
             # the journal write failed before anything changed: not acknowledged, sequence not
             # consumed, so the learner's retry of the same delta is accepted once space is back

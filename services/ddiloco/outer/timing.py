@@ -20,12 +20,32 @@ the merge closes and before that learner's window ends:
 Until then, the window was half of ``overlap x step - (upload + merge)``, a fixed share
 kept for download and jitter; with the tiny model's half-second windows on two cores it
 closed a median 53 ms before the last learner of a round arrived (docs/algorithm.md).
-All estimates are exponential moving averages; nothing here reads a clock.
+A learner's step time comes from what it claims (``compute_seconds / inner_steps`` of each
+delta), with a floor the server measures itself: the time between two accepted deltas of the
+same learner and fragment, per step they carry. Learners never wait, so in steady state
+that interval is the window (upload jitter moves it by a fraction of one); a claim below
+``CLAIM_FLOOR`` of the shortest of the last ``INTERVALS_KEPT`` intervals cannot be true and is
+raised to that floor. Without it one learner claiming ~0 s of compute on every delta was the
+"fastest" for the whole run and closed every grace window at the quorum; now it can shorten
+them by at most half, and only while it really uploads at its claimed pace (per-learner rate
+limits bound that). The floor takes the shortest recent interval, so the one long interval a
+restart or a stall leaves does not make an honest learner look slow; an honest learner's
+claim is never under half its shortest interval, so the floor does not change its estimate.
+The first delta of a learner and fragment has no interval yet and counts as claimed.
+
+All estimates are exponential moving averages; nothing here reads a clock (arrival times
+are passed in).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+
+# a claimed step time below this share of the measured one is raised to it (module docstring)
+CLAIM_FLOOR = 0.5
+# intervals kept per learner and fragment for the floor: the shortest of them counts
+INTERVALS_KEPT = 4
 
 
 class SyncTiming:
@@ -40,20 +60,43 @@ class SyncTiming:
         # Bounded by the learners the run has: callers validate the id before observing.
         self.step_s: dict[int, float] = {}
         self.step_dev_s: dict[int, float] = {}
+        # per (learner, fragment): when its last delta was accepted, and its recent seconds per
+        # step between accepted deltas (the claim's floor). Bounded by learners x fragments.
+        self._last_arrival: dict[tuple[int, int], float] = {}
+        self._intervals: dict[tuple[int, int], deque[float]] = {}
         self._lock = threading.Lock()
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
-    def observe_push(self, seconds: float, learner: int, compute_seconds: float, inner_steps: int) -> None:
+    def observe_push(
+        self, seconds: float, learner: int, compute_seconds: float, inner_steps: int,
+        fragment: int = 0, arrived: float | None = None,
+    ) -> None:
+        """One accepted delta: its upload took ``seconds``; it claims ``compute_seconds`` for
+        ``inner_steps`` steps; it was accepted at ``arrived`` (monotonic seconds; None: no
+        measured floor)."""
         with self._lock:
             self.push_s = self._ema(self.push_s, seconds)
             if compute_seconds > 0 and inner_steps > 0:
-                step = compute_seconds / inner_steps
+                step = max(compute_seconds / inner_steps, self._measured_floor(learner, fragment, inner_steps, arrived))
                 old = self.step_s.get(learner)
                 if old is not None:
                     self.step_dev_s[learner] = self._ema(self.step_dev_s.get(learner, 0.0), abs(step - old))
                 self.step_s[learner] = self._ema(old, step)
+
+    def _measured_floor(self, learner: int, fragment: int, inner_steps: int, arrived: float | None) -> float:
+        """``CLAIM_FLOOR`` x the shortest recent seconds per step between this learner's
+        accepted deltas of this fragment, this one's interval included; 0 without one."""
+        if arrived is None:
+            return 0.0
+        key = (learner, fragment)
+        last = self._last_arrival.get(key)
+        self._last_arrival[key] = arrived
+        kept = self._intervals.setdefault(key, deque(maxlen=INTERVALS_KEPT))
+        if last is not None and arrived > last:
+            kept.append((arrived - last) / inner_steps)
+        return CLAIM_FLOOR * min(kept) if kept else 0.0
 
     def observe_merge(self, seconds: float) -> None:
         with self._lock:
