@@ -158,3 +158,10 @@ def test_a_specs_element_count_is_exact_and_never_wraps():
     # past int64 a wrapped product could pass a size check it must fail
     assert codec.TensorSpec("huge", (2**40, 2**40)).numel == 2**80
     assert codec.TensorSpec("np", (np.int64(2**40), np.int64(2**40))).numel == 2**80
+
+
+@pytest.mark.parametrize("name,expected", [("fp32", 4 * 22), ("int8", 4 * 4 + 15 + 4 * 2 + 7), ("int4", 4 * 4 + 8 + 4 * 2 + 4)])
+def test_float32_raw_size_is_the_scales_and_the_packed_values_of_each_tensor(name, expected):
+    # 15 values in 4 blocks of 4 and 7 values in 2: a float32 scale per block, then a byte
+    # (int8) or half a byte rounded up per tensor (int4) per value
+    assert codec.float32_raw_size(name, 4, [(3, 5), (7,)]) == expected

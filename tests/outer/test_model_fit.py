@@ -13,7 +13,7 @@ from ddiloco.outer.state import ModelFitError, OuterState
 def _largest_fragment_bytes(state: OuterState) -> int:
     lcfg = state.config.learner
     return max(
-        codec.raw_size(lcfg.codec, lcfg.block_size, tuple(codec.TensorSpec("", state.shapes[i], "float32") for i in part))
+        codec.float32_raw_size(lcfg.codec, lcfg.block_size, [state.shapes[i] for i in part])
         for part in state.parts
     )
 

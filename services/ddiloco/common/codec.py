@@ -104,6 +104,12 @@ def raw_size(codec: str, block_size: int, specs: tuple[TensorSpec, ...]) -> int:
     return total
 
 
+def float32_raw_size(codec: str, block_size: int, shapes) -> int:
+    """``raw_size`` of float32 tensors of these ``shapes`` (names do not change the size): what
+    a fragment's delta takes uncompressed, for the size checks at start and on every header."""
+    return raw_size(codec, block_size, tuple(TensorSpec("", tuple(s), "float32") for s in shapes))
+
+
 def payload_bound(raw: int) -> int:
     """The most bytes a payload of ``raw`` uncompressed bytes can take as sent: raw itself,
     or zstd's worst case (zstd's own bound is raw + raw/256 + under 64 KiB / 2048 for small

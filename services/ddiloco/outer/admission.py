@@ -123,8 +123,7 @@ def check_payload_size(fragment: int, info, shapes: Sequence[tuple[int, ...]]) -
         raise InvalidArgument(f"unknown codec {info.codec}")
     if name != "fp32" and (info.block_size < 2 or info.block_size % 2):
         raise InvalidArgument(f"block size {info.block_size} is not an even number of at least 2")
-    specs = tuple(codec.TensorSpec("", tuple(s), "float32") for s in shapes)
-    most = codec.payload_bound(codec.raw_size(name, info.block_size, specs))
+    most = codec.payload_bound(codec.float32_raw_size(name, info.block_size, shapes))
     if info.payload_bytes > most:
         raise InvalidArgument(
             f"header declares {info.payload_bytes} payload bytes; fragment {fragment} in {name} "

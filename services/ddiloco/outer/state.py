@@ -78,8 +78,7 @@ def check_fragments_fit(config: RunConfig, fragment_shapes: list[list[tuple[int,
     forever, and the run would train on without ever merging."""
     lcfg, limit = config.learner, config.outer.max_delta_bytes
     for f, shapes in enumerate(fragment_shapes):
-        specs = tuple(codec.TensorSpec("", s, "float32") for s in shapes)
-        size = codec.raw_size(lcfg.codec, lcfg.block_size, specs)
+        size = codec.float32_raw_size(lcfg.codec, lcfg.block_size, shapes)
         if size > limit:
             raise ModelFitError(
                 f"fragment {f}'s delta takes {size} bytes in {lcfg.codec}, over outer.max_delta_bytes "
