@@ -66,3 +66,10 @@ def test_the_window_is_three_intervals_and_never_below_3_s():
     assert responsive_window_ms(1.0) == RESPONSIVE_HEARTBEAT_MS == 3000
     assert responsive_window_ms(0.25) == 3000
     assert responsive_window_ms(5.0) == 15_000
+
+
+def test_live_ids_are_the_learners_holding_a_lease_and_unknown_before_the_first_answer():
+    known = KnownLearners(CannedCoordinator([member(0), member(3, ms=4000), member(5, alive=False, ms=12_000)]))
+    assert known.live_ids() is None
+    known.refresh()
+    assert known.live_ids() == {0, 3}

@@ -116,3 +116,15 @@ def test_without_arrival_times_there_is_no_floor():
     t.observe_push(0.0, 0, 1e-6, 20)
     t.observe_push(0.0, 0, 1e-6, 20)
     assert t.step_s[0] == pytest.approx(1e-6 / 20)
+
+
+def test_the_fastest_live_learner_bounds_the_window():
+    """A fast learner that died (its lease lapsed) no longer bounds the window: the merges
+    left wait for the slower learners still training, as long as their windows allow."""
+    t = timing()
+    t.observe_push(0.0, learner=0, compute_seconds=0.5, inner_steps=20)  # 25 ms a step
+    t.observe_push(0.0, learner=1, compute_seconds=1.5, inner_steps=20)  # 75 ms a step
+    assert t.grace_s(20, 1.0, 10.0, live={0, 1}) == pytest.approx(0.5)
+    assert t.grace_s(20, 1.0, 10.0, live={1, 2}) == pytest.approx(1.5)  # learner 0 is gone
+    assert t.grace_s(20, 1.0, 10.0, live={2}) == 0.0  # no live learner has a step time yet
+    assert t.grace_s(20, 1.0, 10.0, live=None) == pytest.approx(0.5)  # membership not known yet

@@ -39,6 +39,7 @@ class KnownLearners:
         # again once it has the run's configuration from the coordinator
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ids: set[int] = set()
+        self._live_ids: set[int] | None = None
         self._live: int | None = None
         self._responsive: int | None = None
         self._members = 0
@@ -54,7 +55,8 @@ class KnownLearners:
         window_ms = responsive_window_ms(self.heartbeat_interval_s)
         with self._lock:
             self._ids = {m.learner_id for m in resp.members}
-            self._live = sum(1 for m in resp.members if m.alive)
+            self._live_ids = {m.learner_id for m in resp.members if m.alive}
+            self._live = len(self._live_ids)
             self._responsive = sum(1 for m in resp.members if m.alive and m.ms_since_heartbeat <= window_ms)
             self._members = len(resp.members)
             self.last_state = resp.state
@@ -78,6 +80,11 @@ class KnownLearners:
         learner still starting up is not a dead one, and a synchronous run must not merge
         its first arrivals alone."""
         return self._count("_live", planned, join_timeout_s)
+
+    def live_ids(self) -> set[int] | None:
+        """The ids of the learners holding a lease at the last refresh; None before the first."""
+        with self._lock:
+            return None if self._live_ids is None else set(self._live_ids)
 
     def responsive_count(self, planned: int, join_timeout_s: float = 60.0) -> int:
         """Learners holding a lease that heartbeated within ``responsive_window_ms``: those

@@ -478,7 +478,9 @@ class OuterService:
         ocfg = self.config.outer
         while not self.stop_event.is_set():
             overlap = ocfg.overlap_steps or self.config.learner.inner_steps
-            grace = self.timing.grace_s(overlap, ocfg.grace_gamma, ocfg.max_grace_s or self.config.lease_timeout_s)
+            grace = self.timing.grace_s(
+                overlap, ocfg.grace_gamma, ocfg.max_grace_s or self.config.lease_timeout_s, self.known.live_ids(),
+            )
             live = self.known.live_count(self.config.learners)
             if time.monotonic() < self.recovery_until:
                 # after a restart, hold merges until every responsive learner's re-sent delta

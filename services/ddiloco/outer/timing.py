@@ -8,7 +8,7 @@ the merge closes and before that learner's window ends:
 
     usable = overlap x step - (upload + merge + download) - jitter
 
-* ``step`` is the fastest learner's seconds per inner step (a slower learner's longer
+* ``step`` is the fastest live learner's seconds per inner step (a slower learner's longer
   window does not give the fast one more time), ``overlap`` the overlap in steps (default H);
 * ``upload`` is measured from the first byte of a delta to its acknowledgement; the quorum
   starts counting when the first delta is acknowledged, so its upload is already spent;
@@ -106,12 +106,17 @@ class SyncTiming:
         with self._lock:
             self.pull_s = self._ema(self.pull_s, seconds)
 
-    def grace_s(self, overlap_steps: int, gamma: float, cap: float) -> float:
-        """``gamma x usable`` (see the module), at most ``cap``; 0 until a step time is known."""
+    def grace_s(self, overlap_steps: int, gamma: float, cap: float, live: set[int] | None = None) -> float:
+        """``gamma x usable`` (see the module), at most ``cap``; 0 until a step time is known.
+        ``live``: the learners holding a lease (None: not known yet, every learner counts).
+        The fastest *live* learner bounds the window: a fast learner that died would
+        otherwise keep every later window as short as its own, and the merges that wait for
+        the slower ones left would close before them."""
         with self._lock:
-            if not self.step_s:
+            known = [l for l in self.step_s if live is None or l in live]
+            if not known:
                 return 0.0
-            fastest = min(self.step_s, key=self.step_s.__getitem__)
+            fastest = min(known, key=self.step_s.__getitem__)
             window = overlap_steps * self.step_s[fastest]
             jitter = overlap_steps * self.step_dev_s.get(fastest, 0.0)
             usable = window - (self.push_s + self.merge_s + self.pull_s) - jitter
