@@ -12,10 +12,10 @@ import json
 
 import grpc
 import pytest
-from coord_helpers import (  # noqa: F401 - coordinator: a fixture
+from coord_helpers import (
     LONG_LEASE,
     announce_outer,
-    coordinator,
+    coordinator,  # noqa: F401 - a fixture
     membership,
     register,
     snapshot,
