@@ -54,6 +54,12 @@ def snapshot(stub) -> list[tuple]:
     ]
 
 
+# For a coordinator that several tests share (a module-scoped fixture): a lease no module
+# outlives, so that no member expires between those tests, nor between one test's snapshots,
+# for no reason but the time the others took.
+LONG_LEASE = ["--lease-timeout", "3600"]
+
+
 def start_coordinator(tmp_path, flags=()):
     from support import TINY_RUN, wait_serving
 

@@ -1,4 +1,9 @@
-"""The coordinator over real sockets: ids and shards, leases, rejoin, health, reflection."""
+"""The coordinator over real sockets: ids and shards, leases, rejoin, health, reflection.
+
+The two tests that leave nothing another could see (refusals of an unknown learner and of
+another run, reflection) share one coordinator; the others each start their own, as they
+count on a membership, outer registrations or leases of their own (the first, on an outer
+optimizer not yet known)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,16 @@ from ddiloco.common.rpc import channel
 from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
-from coord_helpers import coordinator, register  # noqa: F401 - fixture
+from coord_helpers import LONG_LEASE, coordinator, register, start_coordinator  # noqa: F401 - fixture
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
+    try:
+        yield cluster, stub
+    finally:
+        cluster.stop_all()
 
 
 def test_learners_wait_until_the_outer_optimizer_is_known(coordinator):
@@ -59,8 +73,8 @@ def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(c
     assert {x.learner_id: x.incarnation for x in m.members}[b.learner_id] == 2  # a new process is a new one
 
 
-def test_unknown_learner_heartbeat_and_wrong_run_are_refused(coordinator):
-    _, stub = coordinator
+def test_unknown_learner_heartbeat_and_wrong_run_are_refused(shared):
+    _, stub = shared
     with pytest.raises(grpc.RpcError) as info:
         stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=42), timeout=5)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -70,8 +84,8 @@ def test_unknown_learner_heartbeat_and_wrong_run_are_refused(coordinator):
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_reflection_lists_the_services(coordinator):
-    cluster, _ = coordinator
+def test_reflection_lists_the_services(shared):
+    cluster, _ = shared
     stub = reflection_pb2_grpc.ServerReflectionStub(channel(cluster.coordinator_address))
     resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
     names = {s.name for s in resp.list_services_response.service}

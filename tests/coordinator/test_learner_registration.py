@@ -1,6 +1,9 @@
 """A real learner process at registration: it is refused, with the coordinator's message and
 a non-zero exit, when its model is not the run's; restarted under the id of a learner whose
-lease is still alive, it waits that lease out and then joins, within about one lease."""
+lease is still alive, it waits that lease out and then joins, within about one lease.
+
+The two refusals share one coordinator (each checks that its learner changed nothing); the
+restart, which takes an id, has one of its own."""
 
 from __future__ import annotations
 
@@ -9,10 +12,30 @@ import sys
 import threading
 import time
 
-from coord_helpers import announce_outer, coordinator, membership, register, snapshot  # noqa: F401
+import pytest
+from coord_helpers import (
+    LONG_LEASE,
+    announce_outer,
+    coordinator,  # noqa: F401 - a fixture
+    membership,
+    register,
+    snapshot,
+    start_coordinator,
+)
 
 from ddiloco.launcher.processes import child_env
 from ddiloco.v1 import common_pb2, coordinator_pb2
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory):
+    """A coordinator, its outer optimizer known, for learners that must be turned away."""
+    cluster, stub = start_coordinator(tmp_path_factory.mktemp("refusing"), LONG_LEASE)
+    try:
+        announce_outer(stub)
+        yield cluster, stub
+    finally:
+        cluster.stop_all()
+
 
 # a learner built from other model code: a 300-symbol vocabulary instead of 256 bytes
 OTHER_MODEL_LEARNER = (
@@ -21,9 +44,8 @@ OTHER_MODEL_LEARNER = (
 )
 
 
-def test_a_learner_whose_model_differs_exits_with_the_reason_and_no_traceback(coordinator):
-    cluster, stub = coordinator
-    announce_outer(stub)
+def test_a_learner_whose_model_differs_exits_with_the_reason_and_no_traceback(refusing):
+    cluster, stub = refusing
     before = snapshot(stub)
     proc = subprocess.run(
         [sys.executable, "-c", OTHER_MODEL_LEARNER, cluster.coordinator_address],
@@ -79,9 +101,8 @@ sys.exit(main(['learner', '--coordinator', sys.argv[1], '--device', 'cpu', '--in
 """
 
 
-def test_a_learner_whose_initial_parameters_differ_is_refused_before_it_trains(coordinator):
-    cluster, stub = coordinator
-    announce_outer(stub)
+def test_a_learner_whose_initial_parameters_differ_is_refused_before_it_trains(refusing):
+    cluster, stub = refusing
     before = snapshot(stub)
     proc = subprocess.run(
         [sys.executable, "-c", OTHER_VALUES_LEARNER, cluster.coordinator_address],

@@ -1,6 +1,11 @@
 """Who may register under which id: ids come from the run's bounded id space, one live
 process per id (a second gets ALREADY_EXISTS, its own retries are idempotent), and only a
-learner whose model is the run's. Every refusal leaves the membership as it was."""
+learner whose model is the run's. Every refusal leaves the membership as it was.
+
+Most tests share one coordinator (starting one, and its first Register building the model,
+takes seconds): those that only refuse, or that register a process or two. The tests that
+need the membership in a known state of their own (filled to the bound, a lease that
+expires, a restart) each start a coordinator of their own."""
 
 from __future__ import annotations
 
@@ -8,7 +13,16 @@ import secrets
 
 import grpc
 import pytest
-from coord_helpers import announce_outer, coordinator, membership, register, run_signature, snapshot  # noqa: F401
+from coord_helpers import (
+    LONG_LEASE,
+    announce_outer,
+    coordinator,  # noqa: F401 - a fixture
+    membership,
+    register,
+    run_signature,
+    snapshot,
+    start_coordinator,
+)
 
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
 from ddiloco.coordinator.membership import MAX_ADDRESS_CHARS, MAX_DATACENTER_CHARS
@@ -27,12 +41,42 @@ def refused(call, code, *words):
     return info.value.details()
 
 
-@pytest.fixture
-def stub(coordinator):
-    _, stub = coordinator
+def with_first(stub):
+    """The outer optimizer known, and process "first" holding id 0 (the lowest free)."""
     announce_outer(stub)
-    register(stub, token="first")
+    assert register(stub, token="first").learner_id == 0
     return stub
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    """The coordinator shared by this module's tests, whatever order they run in: "first"
+    holds id 0 throughout (a long lease, nobody heartbeats), refusals change nothing (each
+    test checks it), and the processes the sharing tests register take at most 3 more of the
+    2M = 6 ids (the largest group's process, one per field at its longest), so a free id is
+    left for each of them, run all together or alone."""
+    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
+    try:
+        yield with_first(stub)
+    finally:
+        cluster.stop_all()
+
+
+@pytest.fixture
+def fresh_stub(tmp_path):
+    """A coordinator of the test's own, with only "first" registered, under a long lease."""
+    cluster, stub = start_coordinator(tmp_path, LONG_LEASE)
+    try:
+        yield with_first(stub)
+    finally:
+        cluster.stop_all()
+
+
+@pytest.fixture
+def short_lease_stub(coordinator):
+    """A coordinator of the test's own whose leases expire after 1.5 s, "first" registered."""
+    _, stub = coordinator
+    return with_first(stub)
 
 
 @pytest.mark.parametrize("requested", [2 * M, 2**31 - 1, -2, -(2**31)])
@@ -49,7 +93,9 @@ def test_a_group_larger_than_the_run_allows_is_refused(stub, ranks):
     before = snapshot(stub)
     refused(lambda: register(stub, ranks=ranks), grpc.StatusCode.INVALID_ARGUMENT, f"1 to {MAX_RANKS_PER_LEARNER}")
     assert snapshot(stub) == before
-    assert register(stub, ranks=MAX_RANKS_PER_LEARNER).learner_id >= 0  # the largest allowed group is welcome
+    # the largest allowed group is welcome: one process for every case (its retries take no
+    # new id, and the bound is checked on each of them), so the shared id space suffices
+    assert register(stub, ranks=MAX_RANKS_PER_LEARNER, token="largest-group").learner_id >= 0
 
 
 @pytest.mark.parametrize("field,limit", [("address", MAX_ADDRESS_CHARS), ("datacenter", MAX_DATACENTER_CHARS)])
@@ -66,7 +112,9 @@ def test_strings_longer_than_their_field_allows_are_refused_and_the_membership_s
     assert getattr(member, field) == "a" * limit
 
 
-def test_the_membership_is_bounded_by_the_id_space(stub):
+def test_the_membership_is_bounded_by_the_id_space(fresh_stub):
+    """On a coordinator of its own: it fills the id space."""
+    stub = fresh_stub
     got = [register(stub).learner_id for _ in range(2 * M - 1)]
     assert sorted(got) == list(range(1, 2 * M))
     before = snapshot(stub)
@@ -87,9 +135,11 @@ def test_a_second_process_cannot_take_a_live_id_and_junk_cannot_raise_its_incarn
     assert register(stub, token="first").learner_id == 0
 
 
-def test_once_the_lease_expires_a_new_process_takes_the_id_as_a_new_incarnation(stub):
+def test_once_the_lease_expires_a_new_process_takes_the_id_as_a_new_incarnation(short_lease_stub):
+    """On a coordinator of its own: "first" loses id 0."""
     from support import wait_until
 
+    stub = short_lease_stub
     stub.Heartbeat(
         coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=0, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1)),
         timeout=5,
@@ -127,8 +177,6 @@ def test_a_learner_with_another_model_is_refused_with_what_differs(stub):
 
 
 def test_a_restarted_coordinator_still_knows_which_process_holds_each_id(tmp_path):
-    from coord_helpers import start_coordinator
-
     cluster, stub = start_coordinator(tmp_path)
     try:
         announce_outer(stub)

@@ -1,6 +1,10 @@
 """Statistics that learners report (Heartbeat, Leave) are checked for meaning before the
 coordinator keeps or sums them: a liar is refused with INVALID_ARGUMENT and changes nothing,
-so totals never overflow and the token budget is never driven by one caller."""
+so totals never overflow and the token budget is never driven by one caller.
+
+The refusals share one coordinator (starting one takes seconds), since each leaves the
+membership as it was (each test checks it); the tests whose reports are accepted start
+their own."""
 
 from __future__ import annotations
 
@@ -8,7 +12,15 @@ import json
 
 import grpc
 import pytest
-from coord_helpers import announce_outer, coordinator, membership, register, snapshot, start_coordinator  # noqa: F401
+from coord_helpers import (
+    LONG_LEASE,
+    announce_outer,
+    coordinator,  # noqa: F401 - a fixture
+    membership,
+    register,
+    snapshot,
+    start_coordinator,
+)
 
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
@@ -36,13 +48,40 @@ def refused(call, code, *words):
         assert w in info.value.details()
 
 
-@pytest.fixture
-def two_learners(coordinator):
-    _, stub = coordinator
+def with_two_learners(stub):
+    """Learners a and b registered; a has reported 10 steps, b nothing yet."""
     announce_outer(stub)
     a, b = register(stub).learner_id, register(stub).learner_id
     heartbeat(stub, a, tokens=10 * TOKENS_PER_STEP, inner_steps=10)
     return stub, a, b
+
+
+@pytest.fixture(scope="module")
+def shared_two_learners(tmp_path_factory):
+    """One coordinator for the tests whose reports are all refused (a long lease: b, who
+    never heartbeats, stays alive, so a snapshot changes only if a refusal changed it)."""
+    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
+    try:
+        yield with_two_learners(stub)
+    finally:
+        cluster.stop_all()
+
+
+@pytest.fixture
+def two_learners(shared_two_learners):
+    """The shared learners, with a's report of 10 steps made again (it grows nothing, so it
+    is accepted): the rate bound counts from a's last report, and each test starts from one
+    made just now, however long the tests before it took."""
+    stub, a, b = shared_two_learners
+    heartbeat(stub, a, tokens=10 * TOKENS_PER_STEP, inner_steps=10)
+    return stub, a, b
+
+
+@pytest.fixture
+def own_two_learners(coordinator):
+    """The same, on a coordinator of the test's own: for a test whose reports are accepted."""
+    _, stub = coordinator
+    return with_two_learners(stub)
 
 
 @pytest.mark.parametrize(
@@ -77,8 +116,8 @@ def test_leave_needs_the_run_id_and_a_registered_learner(two_learners):
     assert snapshot(stub) == before
 
 
-def test_honest_reports_are_summed_and_liars_cannot_overflow_the_totals(two_learners):
-    stub, a, b = two_learners
+def test_honest_reports_are_summed_and_liars_cannot_overflow_the_totals(own_two_learners):
+    stub, a, b = own_two_learners
     for lid in (a, b):
         for _ in range(3):
             refused(lambda: leave(stub, lid, tokens=INT64_MAX, inner_steps=1), grpc.StatusCode.INVALID_ARGUMENT)
