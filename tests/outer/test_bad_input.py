@@ -253,6 +253,15 @@ def test_pull_for_an_unregistered_learner_is_refused(probe):
     refused(probe, lambda: list(probe.stub.PullGlobal(request, timeout=10)), grpc.StatusCode.PERMISSION_DENIED, "not registered")
 
 
+@pytest.mark.parametrize("run_id,code,match", [
+    ("", grpc.StatusCode.INVALID_ARGUMENT, "run_id is missing"),
+    ("someone-else", grpc.StatusCode.FAILED_PRECONDITION, "is not run"),
+])
+def test_a_pull_must_name_this_run(probe, run_id, code, match):
+    request = outer_pb2.PullGlobalRequest(run_id=run_id, learner_id=probe.ids[0], fragment=0, have_version=-1)
+    refused(probe, lambda: list(probe.stub.PullGlobal(request, timeout=10)), code, match)
+
+
 def test_finalize_while_the_run_is_running_is_refused(probe):
     refused(
         probe, lambda: probe.stub.Finalize(outer_pb2.FinalizeRequest(), timeout=30), grpc.StatusCode.FAILED_PRECONDITION,

@@ -75,7 +75,7 @@ def test_pulls_for_unregistered_ids_are_refused_and_keep_no_copy(cluster_factory
     cluster = cluster_factory()
     outer = next(p for p in cluster.procs if p.name == "outer")
     (lid,) = register(cluster.coordinator_address, 1)
-    learner = Remote(cluster.outer_address, "", lid)
+    learner = Remote(cluster.outer_address, "run", lid)
     before = learner.global_state()
     stub = learner.stub
     rss0 = _rss_kib(outer.popen.pid)
@@ -86,7 +86,7 @@ def test_pulls_for_unregistered_ids_are_refused_and_keep_no_copy(cluster_factory
         if other == lid:
             continue
         try:
-            for _ in stub.PullGlobal(outer_pb2.PullGlobalRequest(learner_id=other, fragment=0, have_version=-1), timeout=10):
+            for _ in stub.PullGlobal(outer_pb2.PullGlobalRequest(run_id="run", learner_id=other, fragment=0, have_version=-1), timeout=10):
                 pass
             codes.add(grpc.StatusCode.OK)
         except grpc.RpcError as exc:

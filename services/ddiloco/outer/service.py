@@ -231,7 +231,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         t0 = time.monotonic()
         self._authorize(context, "PullGlobal", request.learner_id)
         self._limit(context, "PullGlobal", request.learner_id)
-        if request.run_id and request.run_id != svc.config.run_id:
+        if not request.run_id:  # every client names its run; a pull of no run is a caller's bug
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullGlobalRequest.run_id is missing")
+        if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):
             svc.state.fragment(request.fragment)  # InvalidArgument: not a fragment of this shard
