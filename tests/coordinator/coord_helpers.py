@@ -3,6 +3,7 @@ requests signed the way a real learner signs them."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 
 import pytest
@@ -69,6 +70,16 @@ def start_coordinator(tmp_path, flags=()):
     cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600", *flags])
     wait_serving(cluster.coordinator_address)
     return cluster, coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+
+
+@contextlib.contextmanager
+def running_coordinator(tmp_path, flags=()):
+    """``start_coordinator`` for a with-block (or a fixture's body): stopped on the way out."""
+    cluster, stub = start_coordinator(tmp_path, flags)
+    try:
+        yield cluster, stub
+    finally:
+        cluster.stop_all()
 
 
 @pytest.fixture

@@ -16,16 +16,13 @@ from ddiloco.common.rpc import channel
 from ddiloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 
-from coord_helpers import LONG_LEASE, coordinator, register, start_coordinator  # noqa: F401 - fixture
+from coord_helpers import LONG_LEASE, coordinator, register, running_coordinator  # noqa: F401 - fixture
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
-    try:
-        yield cluster, stub
-    finally:
-        cluster.stop_all()
+    with running_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE) as running:
+        yield running
 
 
 def test_learners_wait_until_the_outer_optimizer_is_known(coordinator):

@@ -20,7 +20,7 @@ from coord_helpers import (
     membership,
     register,
     snapshot,
-    start_coordinator,
+    running_coordinator,
 )
 
 from ddiloco.launcher.processes import child_env
@@ -29,12 +29,9 @@ from ddiloco.v1 import common_pb2, coordinator_pb2
 @pytest.fixture(scope="module")
 def refusing(tmp_path_factory):
     """A coordinator, its outer optimizer known, for learners that must be turned away."""
-    cluster, stub = start_coordinator(tmp_path_factory.mktemp("refusing"), LONG_LEASE)
-    try:
+    with running_coordinator(tmp_path_factory.mktemp("refusing"), LONG_LEASE) as (cluster, stub):
         announce_outer(stub)
         yield cluster, stub
-    finally:
-        cluster.stop_all()
 
 
 # a learner built from other model code: a 300-symbol vocabulary instead of 256 bytes

@@ -21,6 +21,7 @@ from coord_helpers import (
     register,
     run_signature,
     snapshot,
+    running_coordinator,
     start_coordinator,
 )
 
@@ -55,21 +56,15 @@ def stub(tmp_path_factory):
     test checks it), and the processes the sharing tests register take at most 3 more of the
     2M = 6 ids (the largest group's process, one per field at its longest), so a free id is
     left for each of them, run all together or alone."""
-    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
-    try:
+    with running_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE) as (_, stub):
         yield with_first(stub)
-    finally:
-        cluster.stop_all()
 
 
 @pytest.fixture
 def fresh_stub(tmp_path):
     """A coordinator of the test's own, with only "first" registered, under a long lease."""
-    cluster, stub = start_coordinator(tmp_path, LONG_LEASE)
-    try:
+    with running_coordinator(tmp_path, LONG_LEASE) as (_, stub):
         yield with_first(stub)
-    finally:
-        cluster.stop_all()
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from coord_helpers import (
     membership,
     register,
     snapshot,
+    running_coordinator,
     start_coordinator,
 )
 
@@ -60,11 +61,8 @@ def with_two_learners(stub):
 def shared_two_learners(tmp_path_factory):
     """One coordinator for the tests whose reports are all refused (a long lease: b, who
     never heartbeats, stays alive, so a snapshot changes only if a refusal changed it)."""
-    cluster, stub = start_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE)
-    try:
+    with running_coordinator(tmp_path_factory.mktemp("shared"), LONG_LEASE) as (_, stub):
         yield with_two_learners(stub)
-    finally:
-        cluster.stop_all()
 
 
 @pytest.fixture
