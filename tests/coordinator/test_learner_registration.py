@@ -19,12 +19,13 @@ from coord_helpers import (
     coordinator,  # noqa: F401 - a fixture
     membership,
     register,
-    snapshot,
     running_coordinator,
+    snapshot,
 )
 
 from ddiloco.launcher.processes import child_env
 from ddiloco.v1 import common_pb2, coordinator_pb2
+
 
 @pytest.fixture(scope="module")
 def refusing(tmp_path_factory):

@@ -20,8 +20,8 @@ from coord_helpers import (
     membership,
     register,
     run_signature,
-    snapshot,
     running_coordinator,
+    snapshot,
     start_coordinator,
 )
 

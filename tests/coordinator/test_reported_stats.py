@@ -18,8 +18,8 @@ from coord_helpers import (
     coordinator,  # noqa: F401 - a fixture
     membership,
     register,
-    snapshot,
     running_coordinator,
+    snapshot,
     start_coordinator,
 )
 
