@@ -55,3 +55,17 @@ def test_an_unreadable_record_is_logged_and_not_trusted(state, tmp_path, caplog)
         ev = Evaluator(state.config, state, state.metrics, source=_at(state, 3), initial_path=path)
     assert ev.initial is None
     assert "initial evaluation record" in caplog.text and "unreadable" in caplog.text
+
+
+def test_a_taken_model_is_the_one_evaluated_even_after_the_model_changed(state, tmp_path):
+    # a restarted process takes the model it restored before merging; the evaluation that
+    # follows reports that model, whatever merges came in between
+    current = {"version": 5, "arrays": state.snapshot()[2]}
+    ev = Evaluator(state.config, state, state.metrics, source=lambda: (current["version"], 0, current["arrays"]))
+    ev.take()
+    current["version"], current["arrays"] = 6, [(name, a * 0.0) for name, a in current["arrays"]]
+    version, loss, _ = ev.run_once()
+    reference = Evaluator(state.config, state, state.metrics, source=_at(state, 5)).run_once()[1]
+    assert (version, loss) == (5, reference)
+    version, zeroed, _ = ev.run_once()  # the next evaluation reads the model as it is now
+    assert version == 6 and zeroed != loss

@@ -45,16 +45,30 @@ class Evaluator:
         self.initial: tuple[float, float] | None = self._read_initial()
         self.last: tuple[int, float, float] | None = None  # version, loss, accuracy
         self.tokens = 0  # tokens merged into every fragment of the last model evaluated
+        self.taken: tuple[int, int] | None = None  # (version, tokens) copied by take(), not yet evaluated
+
+    def take(self) -> None:
+        """Copy the global model now; the next ``run_once`` evaluates this copy.
+
+        A restarted outer optimizer takes the model it restored before its merge loop starts,
+        so the run's record always holds an evaluation of the model at the restart (what a
+        user checks to see that the crash left the model unharmed), however fast the merges
+        after it come. A memory copy, not an evaluation: serving is not delayed."""
+        with self.lock:
+            version, tokens, arrays = self.source()
+            self._load(arrays)
+            self.taken = (version, tokens)
 
     def run_once(self) -> tuple[int, float, float]:
         with self.lock:
-            version, tokens, arrays = self.source()
-            if self.last is not None and self.last[0] == version:
-                return self.last
+            if self.taken is not None:
+                (version, tokens), self.taken = self.taken, None
+            else:
+                version, tokens, arrays = self.source()
+                if self.last is not None and self.last[0] == version:
+                    return self.last
+                self._load(arrays)
             self.tokens = tokens
-            with torch.no_grad():
-                for p, (_, a) in zip(self.model.parameters(), arrays):
-                    p.copy_(torch.from_numpy(a))
             loss, metric = evaluate(self.workload, self.model, self.batches)
             acc = math.nan if metric is None else metric
             self.last = (version, loss, acc)
@@ -66,6 +80,11 @@ class Evaluator:
                 eval_accuracy=None if metric is None else round(metric, 5),
             )
             return self.last
+
+    def _load(self, arrays: list) -> None:
+        with torch.no_grad():
+            for p, (_, a) in zip(self.model.parameters(), arrays):
+                p.copy_(torch.from_numpy(a))
 
     def _read_initial(self) -> tuple[float, float] | None:
         if self.initial_path is None or not self.initial_path.exists():

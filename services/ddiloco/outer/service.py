@@ -401,6 +401,10 @@ class OuterService:
             # judge each against the others' as stale, so let them all arrive first (bounded)
             self.recovery_until = time.monotonic() + RESTART_GRACE_S
         self.metrics.event("outer_ready", address=self.address, version=self.state.version, shard=shard, shards=shards)
+        if restarted and self.evaluator is not None and self.gather is None:
+            # the model as restored, copied before any merge can change it and evaluated
+            # first by the eval loop (shard 0 of several gathers over the network in its loop)
+            self.evaluator.take()
         loops = [(self._merge_loop, "merge"), (self._watch_loop, "watch")]
         if self.evaluator is not None:  # shards other than 0 do not evaluate
             loops.append((self._eval_loop, "eval"))
@@ -542,7 +546,10 @@ class OuterService:
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s
         assert self.evaluator is not None
-        while not self.stop_event.wait(interval):
+        # a model taken at a restart is evaluated at once, not an interval later
+        first = self.evaluator.taken is not None
+        while (first and not self.stop_event.is_set()) or not self.stop_event.wait(interval):
+            first = False
             try:
                 self.evaluator.run_once()
             except errors.Unavailable as exc:  # a shard restarting: the next evaluation tries again
