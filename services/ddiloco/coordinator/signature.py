@@ -22,10 +22,15 @@ from ddiloco.common.errors import FailedPrecondition, InvalidArgument
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
 MAX_LISTED = 5  # differences named in a refusal; the rest are counted
+MAX_DTYPE_CHARS = 16  # of a caller's dtype string quoted in a refusal (the longest torch name is 14)
 
 
-def signature_of(named_shapes: list[tuple[str, tuple[int, ...]]], values_sha256: str = "") -> coordinator_pb2.ModelSignature:
-    tensors = [common_pb2.TensorSpec(name=n, shape=list(s), dtype="float32") for n, s in named_shapes]
+def signature_of(
+    named_shapes: list[tuple[str, tuple[int, ...]]], values_sha256: str = "", dtypes: list[str] | None = None,
+) -> coordinator_pb2.ModelSignature:
+    """``dtypes``: each tensor's torch dtype name (default float32 for all)."""
+    dtypes = dtypes or ["float32"] * len(named_shapes)
+    tensors = [common_pb2.TensorSpec(name=n, shape=list(s), dtype=d) for (n, s), d in zip(named_shapes, dtypes)]
     parameters = 0
     for _, shape in named_shapes:
         count = 1
@@ -80,7 +85,10 @@ def model_signature(config: RunConfig, workload=None) -> coordinator_pb2.ModelSi
 
 
 def signature_of_model(model) -> coordinator_pb2.ModelSignature:
-    return signature_of([(n, tuple(p.shape)) for n, p in model.named_parameters()], values_digest(model))
+    named = list(model.named_parameters())
+    return signature_of(
+        [(n, tuple(p.shape)) for n, p in named], values_digest(model), [str(p.dtype).removeprefix("torch.") for _, p in named],
+    )
 
 
 def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_pb2.ModelSignature) -> None:
@@ -93,6 +101,16 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
     if got.sha256 != _digest(mine):
         raise InvalidArgument("RegisterRequest.model.sha256 does not match its own tensor list")
     if got.sha256 == expected.sha256:
+        # the values digest is of the values as float32, so a model built in another dtype
+        # (bfloat16 rounds its initial values) would mostly be caught below; name it instead
+        # (a learner training in another precision folds and sends at that precision)
+        other = [
+            f"{t.name}: {t.dtype[:MAX_DTYPE_CHARS] or 'no dtype'} instead of {e.dtype}"
+            for t, e in zip(got.tensors, expected.tensors) if t.dtype != e.dtype
+        ]
+        if other:
+            shown = "; ".join(other[:MAX_LISTED]) + (f"; and {len(other) - MAX_LISTED} more" if len(other) > MAX_LISTED else "")
+            raise FailedPrecondition(f"this learner's model has the run's tensors in other dtypes: {shown}")
         if got.values_sha256 != expected.values_sha256:
             raise FailedPrecondition(
                 "this learner's model has the run's tensors but other initial values "
