@@ -9,13 +9,10 @@ import pathlib
 import signal
 import sys
 
-from ddiloco.common import pacing, priority
+from ddiloco.common import pacing
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging
 from ddiloco.common.security import add_security_arguments, security_from_args
-
-# the training thread's nice increment: 0 (off) until measured otherwise (common/priority.py)
-DEFAULT_COMPUTE_NICE = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,12 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int, default=0, help="override H for this learner")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (of each rank)")
     parser.add_argument(
-        "--compute-nice", type=int, default=DEFAULT_COMPUTE_NICE, metavar="N",
-        help=f"raise the training thread's nice value by N (0 to {priority.MAX_NICE}; 0: off; Linux), so that this "
-        "learner's uploads and pulls and the services beside it on the host run the moment they are ready "
-        f"(default {DEFAULT_COMPUTE_NICE}; docs/algorithm.md)",
-    )
-    parser.add_argument(
         "--nproc-per-learner", type=int, default=0, metavar="R",
         help=f"run this learner as a torch.distributed group of R processes on this host (1 to {MAX_RANKS_PER_LEARNER}; "
         "rank 0, this process, alone speaks gRPC; default 0: the run's --ranks-per-learner). A group of another "
@@ -60,7 +51,6 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         pacing.check(args.slowdown, args.step_seconds)
-        priority.check(args.compute_nice)
     except ValueError as exc:
         print(f"ddiloco learner: error: {exc}", file=sys.stderr)
         return 2
@@ -99,7 +89,6 @@ def main(args: argparse.Namespace) -> int:
             security=security,
             ranks=args.nproc_per_learner,
             threads=args.threads,
-            compute_nice=args.compute_nice,
         )
     )
     signal.signal(signal.SIGTERM, lambda *_: learner.request_stop())

@@ -119,7 +119,7 @@ class Solo:
 class Group:
     """Rank 0's side of a learner group of ``size`` ranks."""
 
-    def __init__(self, size: int, device: torch.device, threads: int, compute_nice: int = 0) -> None:
+    def __init__(self, size: int, device: torch.device, threads: int) -> None:
         self.size = size
         self.device = device
         self.backend = backend_for(device)
@@ -128,8 +128,7 @@ class Group:
         init = f"tcp://127.0.0.1:{port}"
         self.children = [
             subprocess.Popen([sys.executable, "-m", "ddiloco.learner.rank", "--rank", str(r), "--world", str(size),
-                              "--init", init, "--device", device.type, "--threads", str(threads),
-                              "--compute-nice", str(compute_nice)])
+                              "--init", init, "--device", device.type, "--threads", str(threads)])
             for r in range(1, size)
         ]
         dist.init_process_group(self.backend, init_method=init, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)

@@ -12,7 +12,6 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ddiloco.common import priority
 from ddiloco.common.cliargs import limit_threads, setup_logging
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
@@ -33,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT, rank 0's rendezvous")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compute-nice", type=int, default=0)
     args = parser.parse_args(argv)
     setup_logging(f"learner-rank-{args.rank}")
     limit_threads(args.threads)
@@ -45,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     local_only(backend_for(device))
     dist.init_process_group(backend_for(device), init_method=args.init, rank=args.rank, world_size=args.world,
                             timeout=COLLECTIVE_TIMEOUT)
-    priority.lower_this_thread(args.compute_nice)  # as rank 0's training thread (common/priority.py)
     train(args.rank, args.world, device)
     dist.destroy_process_group()
     return 0

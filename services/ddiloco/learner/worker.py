@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from ddiloco.common import auth, pacing, priority
+from ddiloco.common import auth, pacing
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import offset, partition
@@ -87,7 +87,6 @@ class LearnerOptions:
     inner_steps: int = 0  # 0: the run's H
     ranks: int = 0  # processes of this learner's torch.distributed group (ddiloco.learner.group); 0: the run's
     threads: int = 1  # torch CPU threads of each of the group's other ranks
-    compute_nice: int = 0  # the training thread's nice increment (common/priority.py); 0: off
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     security: Security = field(default_factory=Security.insecure)
 
@@ -359,7 +358,7 @@ class Learner:
         for f, pulled in enumerate(copies):
             self._fold(f, pulled)
         if self.ranks > 1:
-            self.group = Group(self.ranks, self.device, self.options.threads, self.options.compute_nice)
+            self.group = Group(self.ranks, self.device, self.options.threads)
             setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
                      "batch_size": self.options.batch_size}
             self.group.share_setup(setup, self.params, self.fragments)
@@ -409,11 +408,6 @@ class Learner:
         win_loss = [0.0] * nfrag
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
-        # lowered from here on: the upload, pull and heartbeat threads and the gRPC core's
-        # threads, all started before, keep their priority (common/priority.py)
-        nice = priority.lower_this_thread(self.options.compute_nice)
-        if nice is not None:
-            self.metrics.event("compute_priority", learner=self.learner_id, nice=nice)
         start = self.train_started = time.monotonic()
         step = 0
         step_wall: float | None = None  # running mean of wall seconds per step
