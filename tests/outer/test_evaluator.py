@@ -57,7 +57,7 @@ def test_an_unreadable_record_is_logged_and_not_trusted(state, tmp_path, caplog)
     assert "initial evaluation record" in caplog.text and "unreadable" in caplog.text
 
 
-def test_a_taken_model_is_the_one_evaluated_even_after_the_model_changed(state, tmp_path):
+def test_a_taken_model_is_the_one_evaluated_even_after_the_model_changed(state):
     # a restarted process takes the model it restored before merging; the evaluation that
     # follows reports that model, whatever merges came in between
     current = {"version": 5, "arrays": state.snapshot()[2]}
