@@ -117,10 +117,13 @@ def _ceil_substeps(optimizer) -> None:
 
 
 # early (on the unigram plateau) and later (past it); the backlogs are 7 and 8 windows, up
-# to the coalescing bound: a long outage. Measured margins (1 and 2 threads): the current
-# rule -0.9% to -3.3%, the former +2.9% to +10.9%.
-@pytest.mark.parametrize("rounds", [20, 150])
-def test_a_backlog_merged_after_a_restart_leaves_the_model_no_worse(tmp_path, rounds, one_thread):
+# to the coalescing bound: a long outage. Measured margins (1 and 2 threads, two hosts): the
+# current rule -0.9% to -3.3%; the former +5.2% to +10.9% at 20 rounds, and at 150 rounds
+# +2.9% on one host but -0.7% on another (the same seeds: 150 rounds of training carry the
+# CPU's floating-point kernels into the trajectory), so the former rule is shown to fail
+# at 20 rounds only.
+@pytest.mark.parametrize(("rounds", "show_the_former_rule_fails"), [(20, True), (150, False)])
+def test_a_backlog_merged_after_a_restart_leaves_the_model_no_worse(tmp_path, rounds, show_the_former_rule_fails, one_thread):
     cfg = _config()
     corpus = load_corpus(cfg.data, cfg.learners)
     held_out = eval_windows(corpus.eval_bytes, cfg.model.context, cfg.data.eval_windows)
@@ -150,10 +153,11 @@ def test_a_backlog_merged_after_a_restart_leaves_the_model_no_worse(tmp_path, ro
     assert merged == killed_at + 1
     assert after <= before * 1.01, f"eval loss {before:.4f} at the kill, {after:.4f} after the backlog merged"
 
-    former = OuterState(cfg, tmp_path / "copy")
-    _ceil_substeps(former.fragments[0].optimizer)
-    learners[1].seq -= 1  # the same delta again, to the other copy of the outer optimizer
-    learners[1].push(former, backlog[1][1], backlog[1][0], WINDOWS[1])
-    assert former.merge(0)
-    worse = _loss(cfg, former, held_out)
-    assert worse > before * 1.01, f"the former rule: {before:.4f} at the kill, {worse:.4f} after; this check has no teeth"
+    if show_the_former_rule_fails:
+        former = OuterState(cfg, tmp_path / "copy")
+        _ceil_substeps(former.fragments[0].optimizer)
+        learners[1].seq -= 1  # the same delta again, to the other copy of the outer optimizer
+        learners[1].push(former, backlog[1][1], backlog[1][0], WINDOWS[1])
+        assert former.merge(0)
+        worse = _loss(cfg, former, held_out)
+        assert worse > before * 1.01, f"the former rule: {before:.4f} at the kill, {worse:.4f} after; this check has no teeth"
