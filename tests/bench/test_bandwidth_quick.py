@@ -59,8 +59,14 @@ def test_one_invocation_measures_every_method(quick):
         assert 0 < r["compute_utilization"] <= 1
         assert r["kernel_bytes"] >= r["app_bytes"] > 0, r["method"]  # headers on top of the payload
     by = {r["method"]: r for r in data["rows"]}
-    # twice the H at the same codec: about half the bytes per token (both directions, framing aside)
-    assert 0.35 < by["ddiloco-int4-h10"]["bytes_per_token"] / by["ddiloco-int4"]["bytes_per_token"] < 0.75
+    # twice the H at the same codec: fewer upload bytes per token, toward half (one delta per
+    # window). Uploads, not both directions: the down direction carries the one-off fp32
+    # model each learner downloads at join, which does not scale with H and in a run this
+    # short moved the total's ratio to 0.77 once (a CI run). The up direction has fixed
+    # costs too (heartbeats, status polls, the drain's partial windows): 0.61 measured here;
+    # no scaling at all would be about 1
+    up = "bytes_up_per_token"
+    assert 0.35 < by["ddiloco-int4-h10"][up] / by["ddiloco-int4"][up] < 0.8
     # full fp32 gradients every step against int4 deltas every H steps
     assert by["dp"]["bytes_per_token"] > 5 * by["ddiloco-int4"]["bytes_per_token"]
     assert by["ddiloco-int8"]["bytes_per_token"] < by["diloco-sync"]["bytes_per_token"]  # int8 vs fp32 deltas
