@@ -70,6 +70,12 @@ def _count(shape) -> int:
     return count
 
 
+def _listed(differences: list[str]) -> str:
+    """The first ``MAX_LISTED`` differences, and how many more there are."""
+    more = len(differences) - MAX_LISTED
+    return "; ".join(differences[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
 def _named_shapes(sig: coordinator_pb2.ModelSignature) -> list[tuple[str, tuple[int, ...]]]:
     return [(t.name, tuple(t.shape)) for t in sig.tensors]
 
@@ -109,8 +115,7 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
             for t, e in zip(got.tensors, expected.tensors) if t.dtype != e.dtype
         ]
         if other:
-            shown = "; ".join(other[:MAX_LISTED]) + (f"; and {len(other) - MAX_LISTED} more" if len(other) > MAX_LISTED else "")
-            raise FailedPrecondition(f"this learner's model has the run's tensors in other dtypes: {shown}")
+            raise FailedPrecondition(f"this learner's model has the run's tensors in other dtypes: {_listed(other)}")
         if got.values_sha256 != expected.values_sha256:
             raise FailedPrecondition(
                 "this learner's model has the run's tensors but other initial values "
@@ -128,7 +133,7 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
     diffs += [f"missing {n} {list(s)}" for n, s in theirs.items() if n not in ours]
     if not diffs:  # same tensors, other order
         diffs = ["same tensors in another order"]
-    shown = "; ".join(diffs[:MAX_LISTED]) + (f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else "")
+    shown = _listed(diffs)
     raise FailedPrecondition(
         f"this learner's model differs from the run's ({len(mine)} tensors, {parameters:,} parameters; "
         f"the run has {len(theirs)} tensors, {expected.parameters:,} parameters): {shown}"
