@@ -546,10 +546,9 @@ class OuterService:
     def _eval_loop(self) -> None:
         interval = self.config.outer.eval_interval_s
         assert self.evaluator is not None
-        # a model taken at a restart is evaluated at once, not an interval later
-        first = self.evaluator.taken is not None
-        while (first and not self.stop_event.is_set()) or not self.stop_event.wait(interval):
-            first = False
+        # a model taken at a restart is evaluated at once, not an interval later (run_once
+        # clears it before evaluating, so a failed evaluation does not repeat it at once)
+        while (self.evaluator.taken is not None and not self.stop_event.is_set()) or not self.stop_event.wait(interval):
             try:
                 self.evaluator.run_once()
             except errors.Unavailable as exc:  # a shard restarting: the next evaluation tries again
