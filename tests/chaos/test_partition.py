@@ -1,7 +1,8 @@
 """One datacenter cut off, in the network-namespace topology (``ddiloco.netns``: a hub
 namespace for the coordinator and the outer optimizer, one namespace per learner, veth
-links): its link goes down. Its learner keeps training locally, its lease expires and the
-other learner's work keeps being merged; when the link comes back it reconnects by itself,
+links): its link goes down. Its learner keeps training locally, summing its windows into
+one queued delta until the coalescing bound (``--max-coalesce-windows``) is full and then
+waiting for the link, its lease expires and the other learner's work keeps being merged; when the link comes back it reconnects by itself,
 its lease revives and its deltas are merged again.
 
 Needs root (namespaces); skipped otherwise, saying why."""
@@ -35,7 +36,12 @@ if REASON:
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_partitioned_datacenter_trains_on_and_rejoins(system_factory):  # noqa: F811
-    s = system_factory(learners=2, topology="netns", flags=["--lease-timeout", "3"])
+    # The tiny run ends a window every ~60 ms, so the default bound of 4 windows is a quarter
+    # of a second of training past the cut, less whatever was already queued when the link
+    # went down: a cut that fell while a delta was in flight with one window queued behind it
+    # left room for only two more windows, and "trains on" was a race with the cut. 20
+    # windows (~1.2 s) leave room for 3 whatever a healthy link had queued (at most 2 windows).
+    s = system_factory(learners=2, topology="netns", flags=["--lease-timeout", "3", "--max-coalesce-windows", "20"])
     wait_until(lambda: s.merges_with(0) and s.merges_with(1), 180, "merges of both learners")
     # and both heartbeat (a start-up longer than the 3 s lease counts a learner dead until its
     # first heartbeat, which carries its statistics)
