@@ -175,7 +175,7 @@ def system(tmp_path_factory):
 
 # ---------------------------------------------------------------- PushDelta requests
 HEADER_POISONS = ["run_id", "learner", "seq_nonpositive", "seq_repeat", "seq_jump", "inner_steps", "tokens",
-                  "compute_seconds", "base_future", "fragment"]
+                  "compute_seconds", "loss", "base_future", "fragment"]
 STREAM_POISONS = ["truncate", "pad", "flip", "declared_bytes", "sha", "codec", "block_size", "spec_count", "spec_name",
                   "spec_shape", "spec_dtype", "not_zstd", "non_finite", "magnitude", "no_header", "header_repeated",
                   "empty_stream", "format", "compression", "offset"]
@@ -194,7 +194,8 @@ def push_requests(draw, s: System, version: int):
     header = outer_pb2.DeltaHeader(
         run_id=RUN_ID, learner_id=learner, base_version=version, tokens=s.tokens, inner_steps=s.h,
         seq=s.last_seq[learner] + draw(st.integers(1, 1024)), fragment=0,
-        compute_seconds=draw(st.floats(0, s.h * 0.5)), loss=draw(doubles()),
+        # any finite loss is one a window can have; a non-finite one is a poison of its own
+        compute_seconds=draw(st.floats(0, s.h * 0.5)), loss=draw(st.floats(allow_nan=False, allow_infinity=False)),
     )
     poisons = draw(st.lists(st.sampled_from(HEADER_POISONS + STREAM_POISONS), min_size=1, max_size=3, unique=True))
     structure = None
@@ -229,6 +230,8 @@ def push_requests(draw, s: System, version: int):
                     st.floats(min_value=s.max_compute * 1.001, allow_nan=False),
                 )
             )
+        elif p == "loss":
+            header.loss = draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
         elif p == "base_future":
             header.base_version = draw(st.integers(version + 1, (1 << 63) - 1))
         elif p == "fragment":

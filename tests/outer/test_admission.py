@@ -118,3 +118,12 @@ def test_one_window_as_long_as_phase_alignment_makes_it_is_admitted_even_without
         admission.check_work(cfg, (longest + 1) * step_weight, longest + 1, 1.0, step_weight)
     cfg.learner.max_coalesce_windows = 4  # coalescing allows more than one lengthened window
     admission.check_work(cfg, 80 * step_weight, 80, 1.0, step_weight)
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf")])
+def test_a_non_finite_window_loss_is_invalid(loss):
+    cfg = RunConfig(run_id="r")
+    step_weight = cfg.learner.batch_size * cfg.model.context
+    admission.check_work(cfg, 5 * step_weight, 5, 1.0, step_weight, loss=2.5)
+    with pytest.raises(errors.InvalidArgument, match="is not finite"):
+        admission.check_work(cfg, 5 * step_weight, 5, 1.0, step_weight, loss=loss)

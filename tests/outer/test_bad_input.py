@@ -234,6 +234,14 @@ def test_an_impossible_compute_time_is_refused(probe, seconds):
     refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "compute_seconds")
 
 
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_training_loss_is_refused(probe, loss):
+    """A learner stops before a non-finite loss reaches its parameters, so no window it
+    sends carries one; the value goes into the outer optimizer's record of the delta."""
+    header, payload = _claim(probe, loss=loss)
+    refused(probe, lambda: probe.push_raw(header, payload), grpc.StatusCode.INVALID_ARGUMENT, "is not finite: a learner stops")
+
+
 def test_a_finite_delta_larger_than_adamw_can_move_is_refused(probe):
     """Values around 1e6 used to be accepted and sent the eval loss to 5e12."""
     enc = codec.encode(probe.delta(scale=1e6), "int8", 64)

@@ -23,6 +23,8 @@ Bounds and why
 * ``seq``: above the last accepted one (else ALREADY_EXISTS), by at most ``MAX_SEQ_JUMP``.
 * ``compute_seconds``: finite, non-negative, at most a lease per step: a step slower than a
   lease would get the learner declared dead before it finished.
+* ``loss``: finite. A learner stops before a non-finite loss reaches its parameters, so no
+  window it sends has one; the value goes into the outer optimizer's record of the delta.
 * values: finite (the codec checks) and, per coordinate, within what that many AdamW steps
   at the run's peak learning rate can move a parameter (``merge.delta_linf_bound``).
 * tensors: the fragment's, by name, shape and dtype (float32), in order.
@@ -55,9 +57,12 @@ MAX_BATCH_FACTOR = 16
 MAX_SEQ_JUMP = 1024
 
 
-def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float, step_weight: int) -> None:
+def check_work(
+    config: RunConfig, tokens: int, inner_steps: int, compute_seconds: float, step_weight: int, loss: float = 0.0
+) -> None:
     """Refuse a header whose work figures no learner of this run could produce;
-    ``step_weight``: the run's workload's ``step_weight()``."""
+    ``step_weight``: the run's workload's ``step_weight()``; ``loss``: the window's mean
+    training loss."""
     h = config.learner.inner_steps
     max_steps = config.learner.max_delta_steps()
     if not 1 <= inner_steps <= max_steps:
@@ -77,6 +82,8 @@ def check_work(config: RunConfig, tokens: int, inner_steps: int, compute_seconds
             f"compute_seconds={compute_seconds} is not a time {inner_steps} steps can take "
             f"(0 to {config.lease_timeout_s} s per step)",
         )
+    if not math.isfinite(loss):
+        raise InvalidArgument(f"loss={loss} is not finite: a learner stops before a non-finite loss reaches its parameters")
 
 
 def linf(t: torch.Tensor) -> float:

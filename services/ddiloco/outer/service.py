@@ -223,6 +223,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             tokens=header.tokens,
             bytes=len(payload),
             discount=round(discount, 4),
+            loss=round(header.loss, 5),  # the window's mean training loss, as its learner measured it
         )
         return outer_pb2.PushDeltaResponse(outcome=outer_pb2.PUSH_OUTCOME_ACCEPTED, global_version=version, weight=discount)
 

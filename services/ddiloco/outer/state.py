@@ -196,7 +196,9 @@ class OuterState:
         ``accept`` checks again: the state may move while the payload arrives."""
         cfg = self.config
         admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
-        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight())
+        admission.check_work(
+            cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight(), header.loss
+        )
         frag = self.fragment(header.fragment)
         with self.lock:  # in accept's order: a retry of an accepted delta hears ALREADY_EXISTS
             rec = self.learners.get(header.learner_id)
@@ -220,7 +222,9 @@ class OuterState:
         """
         cfg = self.config
         admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
-        admission.check_work(cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight())
+        admission.check_work(
+            cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight(), header.loss
+        )
         frag = self.fragment(header.fragment)  # one this shard owns
         with self._learner_lock(header.learner_id):
             with self.lock:
