@@ -161,6 +161,18 @@ def test_a_model_whose_width_does_not_split_into_its_heads_is_refused(tmp_path):
     assert problems(RunConfig()) == []
 
 
+def test_a_quorum_above_the_runs_learners_is_refused_saying_what_it_would_mean():
+    from ddiloco.common.config import RunConfig
+    from ddiloco.common.config_rules import problems
+
+    cfg = RunConfig(learners=4)
+    cfg.outer.quorum = 4
+    assert problems(cfg) == []
+    cfg.outer.quorum = 5
+    assert problems(cfg) == ["--quorum (5) must be at most --learners (4): "
+                             "a merge waits for at most every live learner, which is --quorum 4"]
+
+
 def test_a_chunk_size_the_services_channels_cannot_carry_is_refused():
     from ddiloco.common.config import RunConfig
     from ddiloco.common.config_rules import MAX_CHUNK_BYTES, problems

@@ -131,6 +131,11 @@ def problems(cfg: RunConfig) -> list[str]:
         if cfg.outer_shards > cfg.fragments:
             out.append(f"--outer-shards ({cfg.outer_shards}) must be at most --fragments ({cfg.fragments}): "
                        "a shard owns whole fragments, and one without any would hold nothing")
+        if cfg.outer.quorum > cfg.learners:
+            # a merge waits for min(K, live) learners: a K above M would read as "every live
+            # learner", which --quorum M says; more than M is a slip, not a choice
+            out.append(f"--quorum ({cfg.outer.quorum}) must be at most --learners ({cfg.learners}): "
+                       f"a merge waits for at most every live learner, which is --quorum {cfg.learners}")
         if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
             out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
                        f"({cfg.heartbeat_interval_s})")
