@@ -30,6 +30,8 @@ def signature_of(
 ) -> coordinator_pb2.ModelSignature:
     """``dtypes``: each tensor's torch dtype name (default float32 for all)."""
     dtypes = dtypes or ["float32"] * len(named_shapes)
+    if len(dtypes) != len(named_shapes):  # zip would drop tensors from the signature silently
+        raise ValueError(f"{len(dtypes)} dtypes for {len(named_shapes)} tensors")
     tensors = [common_pb2.TensorSpec(name=n, shape=list(s), dtype=d) for (n, s), d in zip(named_shapes, dtypes)]
     parameters = 0
     for _, shape in named_shapes:
