@@ -213,12 +213,18 @@ def push_requests(draw, s: System, version: int):
         elif p == "inner_steps":
             header.inner_steps = draw(st.one_of(st.integers(-(1 << 63), 0), st.integers(s.max_steps + 1, (1 << 63) - 1)))
         elif p == "tokens":
-            per = s.h * s.context  # against the base H: a poisoned inner_steps is refused anyway
+            # outside what admission allows (outer/admission.py): at least one token per step,
+            # at most 16 x the run's step weight per step. Batches of a workload may weigh
+            # differently, so a sum that is no whole number of batches is not a poison (the
+            # former "not a whole batch per step" draw was accepted once the slow tier drew a
+            # small one). Against the base H: a poisoned inner_steps is refused anyway.
+            most = s.h * 16 * s.batch * s.context
             header.tokens = draw(
                 st.one_of(
                     st.integers(-(1 << 63), 0),  # none, or negative
-                    st.integers(0, (1 << 40)).flatmap(lambda k: st.integers(1, s.context - 1).map(lambda r: k * per + r)),
-                    st.integers(16 * s.batch + 1, ((1 << 63) - 1) // per).map(lambda b: b * per),  # inflated batch
+                    st.integers(1, s.h - 1),  # less than one token per step
+                    st.integers(most + 1, (1 << 63) - 1),  # an inflated batch
+                    st.just(most + 1),
                     st.just((1 << 63) - 1),
                 )
             )
