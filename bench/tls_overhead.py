@@ -8,7 +8,10 @@ The server and the channel are ddiloco's own (``ddiloco.common.rpc``: the same o
 credentials and certificates a learner's upload uses), the stream is the upload's shape
 (1 MiB messages, client streaming, one answer), and the handler only counts the bytes: this
 measures the transport, not the codec, the journal or the merge (the wire benchmark of the
-transport work measures the whole upload).
+transport work measures the whole upload). The servers run in a process of their own, as
+the outer optimizer does on its host: with client and server in one process, both sides'
+Python shared one interpreter lock, which halved the plaintext throughput and set TLS
+against the client's own stream as well as against the cores.
 
 An upload of 256 MiB takes a few tenths of a second here, and single uploads of the same
 mode differ by up to 2x on this machine, so one figure per mode says little: each
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import pathlib
 import statistics
 import sys
@@ -60,6 +64,15 @@ def serve(security: Security) -> tuple[Server, str]:
     return server, f"127.0.0.1:{server.port}"
 
 
+def _serve_both(tls_dir: str, ready, stop) -> None:
+    """The server process: one plaintext and one mutual-TLS server until ``stop``."""
+    servers = {"plaintext": serve(Security.insecure()), "mtls": serve(Security.from_dir(pathlib.Path(tls_dir) / "outer"))}
+    ready.put({mode: address for mode, (_, address) in servers.items()})
+    stop.wait()
+    for server, _ in servers.values():
+        server.stop(grace=0.5)
+
+
 def upload(address: str, security: Security | None, total: int) -> float:
     """Seconds to stream ``total`` bytes and get the answer, on a fresh channel (its TLS
     handshake included, as a learner's first upload has it)."""
@@ -88,25 +101,31 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tls = pathlib.Path(tmp)
         setup_run(tls, 1)
-        servers = {"plaintext": serve(Security.insecure()), "mtls": serve(Security.from_dir(tls / "outer"))}
+        ctx = mp.get_context("spawn")
+        ready, stop = ctx.Queue(), ctx.Event()
+        proc = ctx.Process(target=_serve_both, args=(str(tls), ready, stop), daemon=True)
+        proc.start()
+        addresses = ready.get(timeout=120)
         clients = {"plaintext": None, "mtls": Security.from_dir(tls / "learner-0")}
         seconds: dict[str, list[float]] = {"plaintext": [], "mtls": []}
         try:
-            upload(servers["plaintext"][1], None, CHUNK)  # warm both paths once
-            upload(servers["mtls"][1], clients["mtls"], CHUNK)
+            upload(addresses["plaintext"], None, CHUNK)  # warm both paths once
+            upload(addresses["mtls"], clients["mtls"], CHUNK)
             for rep in range(args.reps):  # pairs side by side, so a drift in the machine's load hits both
                 order = ("plaintext", "mtls") if rep % 2 == 0 else ("mtls", "plaintext")
                 for mode in order:
-                    seconds[mode].append(upload(servers[mode][1], clients[mode], total))
+                    seconds[mode].append(upload(addresses[mode], clients[mode], total))
         finally:
-            for server, _ in servers.values():
-                server.stop(grace=0.5)
+            stop.set()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
     mbps = {m: round(total / statistics.median(s) / 1e6, 1) for m, s in seconds.items()}
     pairs = [1 - p / t for p, t in zip(seconds["plaintext"], seconds["mtls"])]
     overhead = round(statistics.median(pairs), 4)
     quartiles = [round(q, 4) for q in statistics.quantiles(pairs, n=4)] if len(pairs) > 1 else [overhead] * 3
     result = {
-        "bench": "tls_overhead", "bytes": total, "chunk_bytes": CHUNK, "reps": args.reps,
+        "bench": "tls_overhead", "server": "own process", "bytes": total, "chunk_bytes": CHUNK, "reps": args.reps,
         "seconds": {m: [round(x, 4) for x in s] for m, s in seconds.items()},
         "throughput_mb_s": mbps, "pair_overheads": [round(x, 4) for x in pairs],
         "overhead": overhead, "overhead_quartiles": [quartiles[0], quartiles[2]],
