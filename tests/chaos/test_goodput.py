@@ -91,3 +91,44 @@ def test_audit_counts_lost_and_doubled_deltas_and_version_order():
     assert audit_events(again).applied_twice == []
     twice = again + [ev(4, "merge_replayed", "outer", version=8, deltas=[[0, 1]])]
     assert audit_events(twice).applied_twice == [(0, 1)]
+
+
+def test_with_fragments_and_outer_shards_each_fragments_deltas_take_its_own_windows():
+    """P = 2 fragments on S = 2 outer shards. Every step is in two windows, one per fragment,
+    so a window counts half its compute. Shard I numbers the learner's deltas I + 1, I + 1 + S,
+    ..., and ``learner_start`` gives each shard's first sequence number: a sharded run's
+    accounting used to fail on that list, leaving report.json without goodput. Fragment 1's
+    windows end two seconds before fragment 0's (staggered), so taking deltas in seq order
+    from one queue of windows gave fragment 0's delta fragment 1's window."""
+
+    def win(t, fragment, compute):
+        return ev(t, "window", "learner-0", learner=0, compute_seconds=compute, steps=5, fragment=fragment)
+
+    def ack(t, seq, fragment, compute):
+        return ev(t, "upload_acked", "learner-0", learner=0, seq=seq, compute_seconds=compute, tokens=1280,
+                  duplicate=False, fragment=fragment)
+
+    def begin(t, first):
+        return ev(t, "learner_start", "learner-0", learner=0, first_seq=first, versions=[0, 0])
+
+    events = [
+        ev(0, "learner_registered", "coordinator", learner=0),
+        begin(2, [1, 2]),
+        win(4, 1, 2.0), ack(4.1, 2, 1, 2.0), merge(4.2, 1, (0, 2)),  # shard 1's first
+        win(6, 0, 4.0), ack(6.1, 1, 0, 4.0), merge(6.2, 2, (0, 1)),  # shard 0's first
+        win(8, 1, 4.0), ack(8.1, 4, 1, 4.0), merge(8.2, 3, (0, 4)),
+        win(10, 0, 4.0),  # its delta (seq 3) in flight at the kill: lost
+        ev(10.5, "fault", "chaos", phase="inject", fault_kind="kill", learner=0, target="learner:0"),
+        begin(20, [3, 6]),  # shard 0 accepted up to 1, shard 1 up to 4: seq 3 is the new one's
+        win(22, 1, 2.0), ack(22.1, 6, 1, 2.0), merge(22.2, 4, (0, 6)),
+        win(24, 0, 4.0), ack(24.1, 3, 0, 4.0), merge(24.2, 5, (0, 3)),
+        ev(30, "learner_stop", "learner-0", learner=0),
+    ]
+    r = account(events, learners=1)
+    l0 = r["goodput_accounting"]["learners"]["0"]
+    assert l0["merged_s"] == pytest.approx((2.0 + 4.0 + 4.0 + 2.0 + 4.0) / 2)
+    assert l0["waste_s"]["lost_in_crash"] == pytest.approx(4.0 / 2)
+    assert l0["waste_s"]["restarting"] == pytest.approx(20 - 10.5)
+    assert l0["waste_s"]["waiting"] == pytest.approx(30 - 8.0 - 2.0 - 9.5)
+    assert r["goodput"] == pytest.approx(8.0 / 30, abs=1e-4)  # rounded to 4 places
+    assert r["goodput"] + sum(r["waste"].values()) == pytest.approx(1.0, abs=1e-3)

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from support import TINY_RUN
 
 from ddiloco.chaos.audit import audit_run
@@ -47,6 +49,10 @@ def test_a_killed_shard_restarts_alone_and_nothing_is_lost(tmp_path):
             assert seqs and all(s % 2 == start % 2 for s in seqs), (source, learner, seqs[:10])
     report = json.loads((out / "report.json").read_text())
     assert [s["fragments"] for s in report["outer_shards"]] == [[0], [1]]
+    # the goodput accounting reads a sharded run too (it failed on the per-shard first
+    # sequence numbers, and report.json then had no goodput), every second in one bucket
+    assert 0 < report["goodput"] <= 1
+    assert report["goodput"] + sum(report["waste"].values()) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_a_fault_on_a_shard_the_run_lacks_is_refused(capsys, tmp_path):

@@ -11,7 +11,11 @@ was alive, frozen or dead meanwhile.
 Every second of a slot lands in exactly one bucket:
 
 - ``merged`` (goodput): compute time (``compute_seconds`` of ``window`` events: the inner
-  steps' wall time) of windows whose delta a ``merge`` event applied.
+  steps' wall time) of windows whose delta a ``merge`` event applied. With P fragments every
+  step is in P windows, one per fragment, each carrying a fragment of its work: a window
+  counts 1/P of its compute seconds (P from ``learner_start``'s ``versions``), so a step
+  whose P fragments all merged counts once, and one whose fragments met different fates is
+  shared between their buckets.
 - ``lost_in_crash``: compute of windows whose delta was never acknowledged nor refused: in
   flight or still queued when the learner died (or acknowledged but never merged, which
   ``ddiloco.chaos.audit`` reports as a violation).
@@ -24,12 +28,17 @@ Every second of a slot lands in exactly one bucket:
   frozen (SIGSTOP counts as waiting even inside a step), pulls and folds between steps,
   the drain at the end.
 
-How windows map to deltas: the uploader sends windows in order and may coalesce consecutive
-ones into one delta (one ``seq``). Within one learner incarnation (from one ``learner_start``
-to the next) the deltas are taken in ``seq`` order and each consumes the next windows whose
-compute seconds add up to the delta's ``compute_seconds``. A delta the outer optimizer
-accepted whose acknowledgement the learner never logged (it died first) consumes windows by
-token count instead.
+How windows map to deltas: the uploader sends each fragment's windows in order and may
+coalesce consecutive ones of that fragment into one delta (one ``seq``). Within one learner
+incarnation (from one ``learner_start`` to the next) each fragment's deltas are taken in
+``seq`` order and each consumes that fragment's next windows whose compute seconds add up to
+the delta's ``compute_seconds``. A delta the outer optimizer accepted whose acknowledgement
+the learner never logged (it died first) consumes windows by token count instead. Matching
+per fragment matters twice: a queued delta of one fragment absorbs later windows of that
+fragment while other fragments' windows go out between them, and with S outer shards each
+shard numbers its deltas on its own (shard I of S: I + 1, I + 1 + S, ..., so ``seq`` order
+across shards is not window order) and ``learner_start`` gives each shard's first sequence
+number as a list.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ class Window:
     t: float
     compute: float
     steps: int
+    fragment: int = 0
     status: str = "lost_in_crash"  # merged | refused_stale | lost_in_crash
     frozen: float = 0.0  # part of ``compute`` spent stopped by SIGSTOP
 
@@ -57,9 +67,10 @@ class Window:
 class Incarnation:
     learner: int
     start: float
-    first_seq: int
+    first_seq: int | list[int]  # per outer shard when there are several (shard I: seq - 1 = I mod S)
     end: float | None = None  # clean stop
     windows: list[Window] = field(default_factory=list)
+    fragments: int = 1  # P: each window holds 1/P of its steps' work
     last_t: float = 0.0
 
 
@@ -79,6 +90,13 @@ class SlotAccount:
             "waste_s": {k: round(v, 3) for k, v in self.waste_s.items()},
             "incarnations": self.incarnations,
         }
+
+
+def _first_seq_for(first: int | list[int], seq: int) -> int:
+    """The incarnation's first sequence number on the outer shard that numbered ``seq``."""
+    if isinstance(first, list):
+        return first[(seq - 1) % len(first)] if first else 1
+    return first
 
 
 def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
@@ -104,11 +122,14 @@ def account(events: list[dict], learners: int = 0) -> dict:
     freezes: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     frozen_since: dict[int, float] = {}
     incs: dict[int, list[Incarnation]] = collections.defaultdict(list)
+    fragment_of: dict[tuple[int, int], int] = {}  # (learner, seq) -> the fragment the delta carried
     for e in events:
         kind = e.get("event")
         lid = e.get("learner")
         if kind == "learner_start":
-            incs[lid].append(Incarnation(lid, e["t"], int(e.get("first_seq", 1)), last_t=e["t"]))
+            first = e.get("first_seq", 1)
+            first = [int(x) for x in first] if isinstance(first, list) else int(first)
+            incs[lid].append(Incarnation(lid, e["t"], first, last_t=e["t"], fragments=max(1, len(e.get("versions") or [0]))))
             continue
         if kind == "fault" and lid is not None:
             if e.get("fault_kind") == "kill" and e.get("phase") == "inject":
@@ -120,18 +141,23 @@ def account(events: list[dict], learners: int = 0) -> dict:
             continue
         if kind == "delta_accepted":
             accepted_tokens[key(lid, e["seq"])] = int(e.get("tokens", 0))
+            fragment_of.setdefault(key(lid, e["seq"]), int(e.get("fragment", 0)))
             continue
         if not str(e.get("source", "")).startswith("learner") or lid is None or not incs.get(lid):
             continue
         inc = incs[lid][-1]
         inc.last_t = e["t"]
         if kind == "window":
-            inc.windows.append(Window(e["t"], float(e.get("compute_seconds", 0.0)), int(e.get("steps", 0))))
+            inc.windows.append(
+                Window(e["t"], float(e.get("compute_seconds", 0.0)), int(e.get("steps", 0)), int(e.get("fragment", 0)))
+            )
         elif kind == "upload_acked":
             acked_compute.setdefault(key(lid, e["seq"]), float(e.get("compute_seconds", 0.0)))
+            fragment_of.setdefault(key(lid, e["seq"]), int(e.get("fragment", 0)))
         elif kind == "upload_refused":
             refused.add(key(lid, e["seq"]))
             acked_compute.setdefault(key(lid, e["seq"]), float(e.get("compute_seconds", 0.0)))
+            fragment_of.setdefault(key(lid, e["seq"]), int(e.get("fragment", 0)))
         elif kind == "learner_stop":
             inc.end = e["t"]
     for lid, since in frozen_since.items():  # never thawed: frozen to the end
@@ -153,15 +179,18 @@ def account(events: list[dict], learners: int = 0) -> dict:
             down.append((t, min([s for s in starts if s > t], default=t_end)))
         for i, inc in enumerate(lst):
             next_inc = lst[i + 1] if i + 1 < len(lst) else None
-            hi = next_inc.first_seq if next_inc else float("inf")
-            seqs = [s for s in seqs_all if inc.first_seq <= s < hi]
-            _assign(inc, lid, seqs, acked_compute, accepted_tokens, refused, audit.merged, tps.get(lid))
+            seqs = [
+                s for s in seqs_all
+                if _first_seq_for(inc.first_seq, s) <= s
+                and (next_inc is None or s < _first_seq_for(next_inc.first_seq, s))
+            ]
+            _assign(inc, lid, seqs, acked_compute, accepted_tokens, refused, audit.merged, tps.get(lid), fragment_of)
             back = next_inc.start if next_inc else t_end
             if inc.end is None and not any(inc.start <= t <= back for t in kills.get(lid, [])):
                 down.append((inc.last_t, back))  # died without an injected fault: from its last sign of life
             for w in inc.windows:
                 w.frozen = min(w.compute, _overlap(w.t - w.compute, w.t, freezes.get(lid, [])))
-                useful = w.compute - w.frozen
+                useful = (w.compute - w.frozen) / inc.fragments
                 if w.status == "merged":
                     acc.merged_s += useful
                 else:
@@ -224,11 +253,16 @@ def _assign(
     refused: set[tuple[int, int]],
     merged: dict[tuple[int, int], int],
     tokens_per_step: float | None,
+    fragment_of: dict[tuple[int, int], int] | None = None,
 ) -> None:
-    """Give each window of ``inc`` the fate of the delta that carried it."""
-    queue = collections.deque(inc.windows)
+    """Give each window of ``inc`` the fate of the delta that carried it: each fragment's
+    deltas, in ``seq`` order, take that fragment's windows in order."""
+    queues: dict[int, collections.deque[Window]] = collections.defaultdict(collections.deque)
+    for w in inc.windows:
+        queues[w.fragment].append(w)
     for seq in seqs:
         k = (lid, seq)
+        queue = queues[(fragment_of or {}).get(k, 0)]
         status = "merged" if k in merged else ("refused_stale" if k in refused else "lost_in_crash")
         taken = []
         if k in compute:
