@@ -48,11 +48,12 @@ class Rig:
         self.clients.append(c)
         return c
 
-    def uploader(self, outer, learner_id: int = 0, first_seq: int = 1, **cfg) -> tuple[Uploader, Supervisor]:
+    def uploader(self, outer, learner_id: int = 0, first_seq: int = 1, factory=None, **cfg) -> tuple[Uploader, Supervisor]:
+        """``factory``: the uploader's client factory (default: one client of ``outer``)."""
         client = self.client(outer.address, learner_id)
         metrics_path = self.tmp_path / f"uploader-{len(self.stoppers)}.jsonl"
         up = Uploader(
-            LearnerConfig(codec=cfg.pop("codec", "fp32"), inner_steps=H, **cfg), lambda: client, Stats(),
+            LearnerConfig(codec=cfg.pop("codec", "fp32"), inner_steps=H, **cfg), factory or (lambda: client), Stats(),
             MetricsLog(metrics_path, "learner"), first_seq, learner_id,
         )
         up.metrics_path = metrics_path

@@ -188,6 +188,28 @@ def test_an_outer_optimizer_at_a_new_address_ends_a_retry_backoff_at_once(outer,
     assert [a.seq for a in outer.accepted] == [1] and not sup.failed.is_set()
 
 
+def test_a_client_closed_between_taking_it_and_calling_is_retried_not_a_failure(outer, rig):  # noqa: F811
+    """When the outer optimizer restarts, the learner's heartbeat replaces its client and
+    closes the old one; an upload that took the old client just before then called it closed.
+    gRPC raises a bare ValueError for that, which failed the learner (two learners exited in a
+    chaos soak when the outer optimizer was killed). It is CANCELLED now, retried on the new
+    client."""
+    from ddiloco.common.transport import ClientClosed
+
+    closed = rig.client(outer.address, 0)
+    closed.close()
+    with pytest.raises(ClientClosed) as info:
+        closed.status()
+    assert info.value.code() == S.CANCELLED and "replaced" in info.value.details()
+    fresh = rig.client(outer.address, 0)
+    handed = iter([closed])
+    up, sup = rig.uploader(outer, factory=lambda: next(handed, fresh))
+    up.submit(window(1.0))
+    assert up.flush(10)
+    assert not sup.failed.is_set(), sup.failure
+    assert [a.seq for a in outer.accepted] == [1]
+
+
 def test_each_attempt_says_whether_another_upload_of_its_fragment_is_queued_behind_it(outer, rig):  # noqa: F811
     """DeltaHeader.more_queued, read by the outer optimizer's restart hold: the first window's
     retry, with the second queued behind it, says so; the second, with nothing behind it, not."""

@@ -3,6 +3,7 @@ the global parameters, read the status. Everything gRPC-specific stays in here."
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +28,36 @@ class CorruptDownload(Exception):
     fault, worth asking again."""
 
 
+class ClientClosed(grpc.RpcError):
+    """A call on a client that was closed: the learner replaced it (the outer optimizer
+    restarted or moved) between taking it and calling. CANCELLED, as for a call the close
+    cut short, so every caller's retry rule already covers it: the next attempt takes the
+    new client. (gRPC raises a bare ValueError for a call on a closed channel, which the
+    uploader took for a bug and failed the learner on: an outer-optimizer restart killed
+    learners, seen in a chaos soak.)"""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "the client was closed: the outer optimizer restarted or moved, and a new client replaced it"
+
+
+def _open(method):
+    """Turn gRPC's ValueError for a call on a closed channel into ``ClientClosed``."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except ValueError:
+            if self._closed:
+                raise ClientClosed() from None
+            raise
+
+    return call
+
+
 @dataclass
 class GlobalParams:
     """One fragment of the global parameters as received: the full fragment when
@@ -46,6 +77,7 @@ class OuterClient:
         self.run_id = run_id
         self.learner_id = learner_id
         self.chunk_bytes = chunk_bytes
+        self._closed = False
         # security: the learner's ddiloco.common.security.Security (None: plaintext)
         self._channel = channel(address, security, server_role="outer")
         self._stub = outer_pb2_grpc.OuterOptimizerStub(self._channel)
@@ -62,6 +94,7 @@ class OuterClient:
         )
 
     def close(self) -> None:
+        self._closed = True  # before the channel closes: a call that fails on it is told why
         self._channel.close()
 
     def push(
@@ -105,6 +138,7 @@ class OuterClient:
                 # the server let go of that part meanwhile (restart, eviction): all of it, then
         return self.push_payload(header, enc.payload, timeout)
 
+    @_open
     def upload_offset(self, header: outer_pb2.DeltaHeader, payload_bytes: int, timeout: float) -> int:
         """Bytes of this upload the server holds from a broken attempt; 0 when it holds none,
         answers anything outside the payload, or cannot say (an older server, a fault: the
@@ -115,6 +149,7 @@ class OuterClient:
             return 0
         return resp.offset if 0 < resp.offset < payload_bytes else 0
 
+    @_open
     def push_payload(
         self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0
     ) -> outer_pb2.PushDeltaResponse:
@@ -124,6 +159,7 @@ class OuterClient:
         rest = memoryview(payload)[offset:]
         return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
 
+    @_open
     def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, memoryview]:
         """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
         that is not one."""
@@ -145,12 +181,14 @@ class OuterClient:
             header.fragment, header.version, header.tokens_merged, header.base_version, arrays, len(payload)
         )
 
+    @_open
     def status(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0) -> outer_pb2.OuterStatus:
         """The outer optimizer's status; with ``wait_s`` > 0, as soon as its global version
         exceeds ``wait_newer_than`` (a long poll), or after ``wait_s``."""
         req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
         return self._stub.GetStatus(req, timeout=timeout + wait_s)
 
+    @_open
     def status_future(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0):
         """``status`` as a grpc future (one long poll per shard, ``common/shard_client.py``)."""
         req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
