@@ -90,13 +90,13 @@ def swept_from(method: str) -> str | None:
     return base if base in SWEEP_METHODS and h.isdigit() else None
 
 
-def method_flags(method: str, fragments: int) -> list[str]:
+def method_flags(method: str, fragments: int, learners: int) -> list[str]:
     base = swept_from(method)
     if base is not None:  # a row of the H sweep
-        return [*method_flags(base, fragments), "--inner-steps", method.rpartition("-h")[2]]
+        return [*method_flags(base, fragments, learners), "--inner-steps", method.rpartition("-h")[2]]
     if method == "ddiloco-int4-fragments":
-        return [*quality.method_flags("ddiloco-int4"), "--fragments", str(fragments)]
-    return quality.method_flags(method)
+        return [*quality.method_flags("ddiloco-int4", learners), "--fragments", str(fragments)]
+    return quality.method_flags(method, learners)
 
 
 def fragments_supported() -> bool:
@@ -541,10 +541,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report, links = run_dp(base, run_dir, learners, args.profile)
         else:
-            report, links = run_ddiloco(method, base + method_flags(method, args.fragments), run_dir, learners,
+            report, links = run_ddiloco(method, base + method_flags(method, args.fragments, learners), run_dir, learners,
                                         args.profile)
         events = read_events(run_dir)
-        flags = method_flags(method, args.fragments)
+        flags = method_flags(method, args.fragments, learners)
         h = int(flags[flags.index("--inner-steps") + 1]) if "--inner-steps" in flags else preset.inner_steps
         p = int(flags[flags.index("--fragments") + 1]) if "--fragments" in flags else cfg.fragments
         if method == "dp":  # all-reduces every step: no H, no fragments
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_loss": target,
             "target_loss_rule": "given" if args.target_loss is not None
             else "highest final eval loss of the measured rows at the preset H (the sweep rows excluded)",
-            "method_flags": {m: method_flags(m, args.fragments) for m in methods if m != "dp"},
+            "method_flags": {m: method_flags(m, args.fragments, learners) for m in methods if m != "dp"},
             "skipped": skipped,
             "run_config": json.loads(cfg.to_json()),
             "definitions": {

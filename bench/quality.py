@@ -104,9 +104,11 @@ def run_config(preset: Preset) -> RunConfig:
     return cfg
 
 
-def method_flags(method: str) -> list[str]:
+def method_flags(method: str, learners: int = M) -> list[str]:
+    """``learners``: the run's M (synchronous DiLoCo's quorum is every learner; a quorum
+    above M is refused)."""
     return {
-        "diloco-sync": ["--sync", "--quorum", str(M), "--fragments", "1", "--codec", "fp32"],
+        "diloco-sync": ["--sync", "--quorum", str(learners), "--fragments", "1", "--codec", "fp32"],
         "ddiloco-int8": ["--codec", "int8"],
         "ddiloco-int4": ["--codec", "int4"],
         "ddiloco-int8-slow": ["--codec", "int8"],
