@@ -22,9 +22,16 @@ def test_a_sweep_row_runs_its_method_with_its_own_h(bw):
     assert bw.swept_from("ddiloco-int4-h50") == "ddiloco-int4"
     assert bw.swept_from("ddiloco-int4-fragments-h100") == "ddiloco-int4-fragments"
     assert bw.swept_from("ddiloco-int4") is None and bw.swept_from("ddiloco-int8-h50") is None
-    assert bw.method_flags("ddiloco-int4-h50", 8) == ["--codec", "int4", "--inner-steps", "50"]
-    assert bw.method_flags("ddiloco-int4-fragments-h100", 8) == [
+    assert bw.method_flags("ddiloco-int4-h50", 8, 4) == ["--codec", "int4", "--inner-steps", "50"]
+    assert bw.method_flags("ddiloco-int4-fragments-h100", 8, 4) == [
         "--codec", "int4", "--fragments", "8", "--inner-steps", "100"]
+
+
+def test_synchronous_diloco_waits_for_every_learner_of_the_run(bw):
+    """Its quorum is the run's M (the quick form runs M = 2): a quorum above M is refused."""
+    for m in (2, 4):
+        flags = bw.method_flags("diloco-sync", 8, m)
+        assert flags[flags.index("--quorum") + 1] == str(m)
 
 
 def test_the_bytes_target_is_read_at_the_largest_h_that_keeps_the_loss(bw):
