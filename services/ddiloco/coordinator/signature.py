@@ -33,12 +33,7 @@ def signature_of(
     if len(dtypes) != len(named_shapes):  # zip would drop tensors from the signature silently
         raise ValueError(f"{len(dtypes)} dtypes for {len(named_shapes)} tensors")
     tensors = [common_pb2.TensorSpec(name=n, shape=list(s), dtype=d) for (n, s), d in zip(named_shapes, dtypes)]
-    parameters = 0
-    for _, shape in named_shapes:
-        count = 1
-        for d in shape:
-            count *= d
-        parameters += count
+    parameters = sum(_count(shape) for _, shape in named_shapes)
     return coordinator_pb2.ModelSignature(
         tensors=tensors, parameters=parameters, sha256=_digest(named_shapes), values_sha256=values_sha256
     )
