@@ -188,17 +188,21 @@ class OuterState:
         with self.lock:
             return self._learner_locks.setdefault(learner_id, threading.Lock())
 
+    def _check_claims(self, header: outer_pb2.DeltaHeader) -> None:
+        """The header's run, sequence, fragment and work figures, which need no state."""
+        cfg = self.config
+        admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
+        admission.check_work(
+            cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight(), header.loss
+        )
+
     def check_header(self, header: outer_pb2.DeltaHeader) -> None:
         """Refuse a delta on its header alone, before its payload is received: everything
         ``accept`` checks that needs no payload (the run, the work figures, the fragment,
         the tensors, the declared size against what the fragment encodes to, the sequence,
         the staleness). A refused push then costs its first message, not its payload.
         ``accept`` checks again: the state may move while the payload arrives."""
-        cfg = self.config
-        admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
-        admission.check_work(
-            cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight(), header.loss
-        )
+        self._check_claims(header)
         frag = self.fragment(header.fragment)
         with self.lock:  # in accept's order: a retry of an accepted delta hears ALREADY_EXISTS
             rec = self.learners.get(header.learner_id)
@@ -221,10 +225,7 @@ class OuterState:
         changes but counters.
         """
         cfg = self.config
-        admission.check_address(cfg, header.run_id, header.seq, header.fragment, cfg.fragments)
-        admission.check_work(
-            cfg, header.tokens, header.inner_steps, header.compute_seconds, self.workload.step_weight(), header.loss
-        )
+        self._check_claims(header)
         frag = self.fragment(header.fragment)  # one this shard owns
         with self._learner_lock(header.learner_id):
             with self.lock:
