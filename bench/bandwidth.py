@@ -529,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t_start:6.0f}s] {method} ({args.profile}, M={learners}, "
               f"{preset.budget_tokens:,} tokens) ...", file=sys.stderr, flush=True)
         extrapolation = None
+        flags = method_flags(method, args.fragments, learners)
         if method == "dp":
             if args.dp_steps:
                 row, extrapolation = measure_dp_extrapolated(args, cfg, base, runs, learners)
@@ -541,10 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report, links = run_dp(base, run_dir, learners, args.profile)
         else:
-            report, links = run_ddiloco(method, base + method_flags(method, args.fragments, learners), run_dir, learners,
-                                        args.profile)
+            report, links = run_ddiloco(method, base + flags, run_dir, learners, args.profile)
         events = read_events(run_dir)
-        flags = method_flags(method, args.fragments, learners)
         h = int(flags[flags.index("--inner-steps") + 1]) if "--inner-steps" in flags else preset.inner_steps
         p = int(flags[flags.index("--fragments") + 1]) if "--fragments" in flags else cfg.fragments
         if method == "dp":  # all-reduces every step: no H, no fragments
