@@ -53,6 +53,7 @@ def test_every_learner_trained_and_had_deltas_merged(finished_run):
         assert lr["tokens"] > 0 and lr["inner_steps"] > 0
         assert lr["deltas_merged"] > 0, f"learner {lr['learner_id']} had nothing merged"
         assert lr["deltas_sent"] >= lr["deltas_merged"]
+        assert lr["deltas_accepted"] >= lr["deltas_merged"]  # the outer optimizer's own counts
 
 
 def test_run_folder_holds_config_and_an_event_log(finished_run):

@@ -12,7 +12,7 @@ REPORT = {
     "initial_eval_loss": 5.49258, "final_eval_loss": 1.61234, "final_eval_accuracy": 0.5321,
     "tokens_trained": 1_234_567, "outer_steps": 42, "bytes_uploaded": 12_000_000, "bytes_downloaded": 9_000_000,
     "wall_seconds": 181.26, "model_parameters": 1_900_000,
-    "learners": [{"learner_id": 0, "tokens": 617_000, "inner_steps": 600, "deltas_sent": 30, "deltas_merged": 29,
+    "learners": [{"learner_id": 0, "tokens": 617_000, "inner_steps": 600, "deltas_sent": 27, "deltas_accepted": 30, "deltas_merged": 29,
                   "incarnations": 1}],
 }
 
@@ -29,6 +29,9 @@ def test_the_summary_shows_each_figure_of_the_report():
     assert "| eval metric (accuracy) | 53.21% |" in text
     assert "| tokens trained | 1,234,567 |" in text and "| outer steps | 42 |" in text
     assert "| uploaded / downloaded | 12.00 MB / 9.00 MB |" in text
+    assert "| learner | tokens | inner steps | deltas accepted | deltas merged | incarnations |" in text
+    # the outer optimizer's counts, not the learner's own (27: a killed incarnation's last
+    # heartbeat interval is lost, which would show fewer sent than merged)
     assert "| 0 | 617,000 | 600 | 30 | 29 | 1 |" in text
 
 

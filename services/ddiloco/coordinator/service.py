@@ -303,6 +303,7 @@ def build_report(
                 "inner_steps": s["inner_steps"],
                 "deltas_sent": s["deltas_sent"],
                 "deltas_acked": s["deltas_acked"],
+                "deltas_accepted": m.deltas_accepted if m else 0,
                 "deltas_merged": m.deltas_merged if m else 0,
                 "deltas_refused": m.deltas_refused if m else 0,
                 "tokens_merged": m.tokens_merged if m else 0,

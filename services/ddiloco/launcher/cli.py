@@ -185,10 +185,13 @@ def print_summary(report: dict, stream) -> None:
     print("\n| metric | value |\n|---|---|", file=stream)
     for k, v in rows:
         print(f"| {k} | {v} |", file=stream)
-    print("\n| learner | tokens | inner steps | deltas sent | deltas merged | incarnations |\n|---|---|---|---|---|---|", file=stream)
+    # deltas accepted and merged are the outer optimizer's counts: the learner's own count of
+    # deltas sent loses what a killed incarnation did since its last heartbeat, so after kills
+    # it read below the merged count, as if deltas had been merged that nobody sent
+    print("\n| learner | tokens | inner steps | deltas accepted | deltas merged | incarnations |\n|---|---|---|---|---|---|", file=stream)
     for lr in report["learners"]:
         print(
-            f"| {lr['learner_id']} | {lr['tokens']:,} | {lr['inner_steps']} | {lr['deltas_sent']} | "
+            f"| {lr['learner_id']} | {lr['tokens']:,} | {lr['inner_steps']} | {lr.get('deltas_accepted', lr['deltas_sent'])} | "
             f"{lr['deltas_merged']} | {lr['incarnations']} |",
             file=stream,
         )
