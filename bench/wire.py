@@ -11,9 +11,16 @@
 * ``tcp``: a plain socket between the same two processes: ``sendall`` of the whole payload,
   ``recv_into`` a buffer allocated before the clock starts (gRPC's receiver allocates as
   the data arrives, as the service does), a one-byte reply at the end of an upload.
+* ``bare``: the ceiling of any data path through gRPC's Python layer on this machine: the
+  same server and channel options, raw-bytes messages with no (de)serializer, chunks cut
+  from the payload before the clock starts, a handler that only counts what arrives (an
+  upload) or sends back the chunks the last upload left (a download), a client that only
+  counts. Nothing is framed, copied, reassembled or kept in Python; what is left is gRPC's
+  own cost per byte. ``bare_ratio`` is its throughput over TCP's: the most any change to
+  ddiloco's wire that stays on gRPC could reach here.
 
-Each direction is timed ``--repeats`` times, a TCP round beside each gRPC round
-(medians); ``ratio`` is gRPC over TCP. The
+Each direction is timed ``--repeats`` times, a TCP round and a bare round beside each gRPC
+round (medians); ``ratio`` is gRPC over TCP. The
 payload is random bytes (the transport never looks inside). Usage:
 ``python bench/wire.py [--quick] [--mb 256] [--chunk-mb 1 4]``; writes
 ``bench/results/wire.json`` (``--results-dir``); refuses uncommitted changes to services/ or
@@ -36,6 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import common_bench as cb  # noqa: E402  (puts services/ on the path)
 
 TARGET_RATIO = 0.5
+BARE_SERVICE = "ddiloco.bench.Bare"
 
 
 # ----------------------------------------------------------------------------- servers
@@ -66,8 +74,24 @@ def _grpc_server(ready, stop, extra: list[tuple[str, int]]) -> None:
             header = outer_pb2.GlobalHeader(version=1, payload=common_pb2.PayloadInfo(payload_bytes=len(self.payload)))
             yield from stream_frames(outer_pb2.GlobalChunk, header, self.payload, request.fragment or self.chunk)
 
-    server = Server("127.0.0.1:0", [OUTER_SERVICE])
+    import grpc
+
+    received: list[bytes] = []
+
+    def bare_push(request_iterator, context) -> bytes:
+        received.clear()
+        received.extend(request_iterator)  # the messages as gRPC hands them over, kept as they are
+        return sum(map(len, received)).to_bytes(8, "little")
+
+    def bare_pull(request, context):
+        yield from list(received)
+
+    server = Server("127.0.0.1:0", [OUTER_SERVICE, BARE_SERVICE])
     add_outer_servicer(Sink(), server.grpc_server)
+    server.grpc_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(BARE_SERVICE, {
+        "Push": grpc.stream_unary_rpc_method_handler(bare_push),
+        "Pull": grpc.unary_stream_rpc_method_handler(bare_pull),
+    }),))  # no (de)serializers: the messages are the raw bytes
     server.start()
     server.set_ready()
     ready.put(server.port)
@@ -138,9 +162,25 @@ def grpc_round(client, payload: bytes, op: str, chunk: int) -> float:
     return time.perf_counter() - t0
 
 
+def bare_round(ch, chunks: list[bytes], op: str) -> float:
+    """One upload or download of ``chunks`` through the bare service (see the docstring); a
+    download returns the chunks of the last upload."""
+    nbytes = sum(map(len, chunks))
+    t0 = time.perf_counter()
+    if op == "u":
+        got = int.from_bytes(ch.stream_unary(f"/{BARE_SERVICE}/Push")(iter(chunks), timeout=600), "little")
+    else:
+        got = sum(len(m) for m in ch.unary_stream(f"/{BARE_SERVICE}/Pull")(b"", timeout=600))
+    seconds = time.perf_counter() - t0
+    if got != nbytes:
+        raise RuntimeError(f"bare {op}: {got} bytes, {nbytes} expected")
+    return seconds
+
+
 def measure(mb: int, chunks_mb: list[float], repeats: int, extra: list[tuple[str, int]]) -> list[dict]:
     import numpy as np
 
+    from ddiloco.common.rpc import channel
     from ddiloco.common.transport import OuterClient
 
     nbytes = mb << 20
@@ -162,25 +202,32 @@ def measure(mb: int, chunks_mb: list[float], repeats: int, extra: list[tuple[str
         for chunk_mb in chunks_mb:
             chunk = int(chunk_mb * (1 << 20))
             client = OuterClient(f"127.0.0.1:{grpc_port}", "bench", 1, chunk_bytes=chunk)
+            bare = channel(f"127.0.0.1:{grpc_port}")
+            chunks = [payload[i:i + chunk] for i in range(0, nbytes, chunk)]  # cut before any clock
             try:
                 grpc_round(client, payload, "u", chunk)  # warm: channel up, flow-control windows grown
+                bare_round(bare, chunks, "u")
                 for op, direction in (("u", "upload"), ("d", "download")):
                     # interleaved, one TCP round beside each gRPC round: the machine's state
                     # (page cache, other load, frequency) drifts between runs, and a ratio of
                     # rounds taken side by side is what the target is about
-                    tcp_s, grpc_s = [], []
+                    tcp_s, grpc_s, bare_s = [], [], []
                     for _ in range(repeats):
                         tcp_s.append(tcp_round(tcp_port, payload, op))
                         grpc_s.append(grpc_round(client, payload, op, chunk))
-                    sec, tsec = statistics.median(grpc_s), statistics.median(tcp_s)
-                    g, t = nbytes / sec / 1e9, nbytes / tsec / 1e9
+                        bare_s.append(bare_round(bare, chunks, op))
+                    sec, tsec, bsec = statistics.median(grpc_s), statistics.median(tcp_s), statistics.median(bare_s)
+                    g, t, b = nbytes / sec / 1e9, nbytes / tsec / 1e9, nbytes / bsec / 1e9
                     rows.append({"direction": direction, "payload_mb": mb, "chunk_mb": chunk_mb,
                                  "grpc_gb_per_s": round(g, 3), "tcp_gb_per_s": round(t, 3), "ratio": round(g / t, 3),
-                                 "grpc_seconds": round(sec, 4), "tcp_seconds": round(tsec, 4)})
+                                 "bare_grpc_gb_per_s": round(b, 3), "bare_ratio": round(b / t, 3),
+                                 "grpc_seconds": round(sec, 4), "tcp_seconds": round(tsec, 4),
+                                 "bare_seconds": round(bsec, 4)})
                     print(f"{direction} {mb} MB, chunks of {chunk_mb} MiB: gRPC {g:.2f} GB/s, TCP {t:.2f} GB/s "
-                          f"({g / t:.2f}x)", file=sys.stderr, flush=True)
+                          f"({g / t:.2f}x), bare gRPC {b:.2f} GB/s ({b / t:.2f}x)", file=sys.stderr, flush=True)
             finally:
                 client.close()
+                bare.close()
     finally:
         stop.set()
         for p in procs:
@@ -219,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     }
-    print("\n| direction | payload MB | chunk MiB | gRPC GB/s | TCP GB/s | ratio |\n|---|---:|---:|---:|---:|---:|")
+    print("\n| direction | payload MB | chunk MiB | gRPC GB/s | TCP GB/s | ratio | bare gRPC GB/s | bare ratio |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['direction']} | {r['payload_mb']} | {r['chunk_mb']:g} | {r['grpc_gb_per_s']:.2f} | "
-              f"{r['tcp_gb_per_s']:.2f} | {r['ratio']:.2f} |")
+              f"{r['tcp_gb_per_s']:.2f} | {r['ratio']:.2f} | {r['bare_grpc_gb_per_s']:.2f} | {r['bare_ratio']:.2f} |")
     print()
     print(cb.markdown_targets(result["targets"]))
     args.results_dir.mkdir(parents=True, exist_ok=True)
