@@ -184,3 +184,44 @@ def test_ddiloco_chaos_cli_against_containers(box, tmp_path):
     assert faults == [("freeze", "inject"), ("freeze", "recover"), ("kill", "inject"), ("kill", "recover")]
     ctr.reload()
     assert ctr.status == "running"
+
+
+def _coordinator(c, image, command: list[str]):
+    tag = f"ddiloco-chaos-coord-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    return c.containers.run(
+        image, command, name=tag, detach=True, network_mode="none", entrypoint=[],
+        labels={"com.docker.compose.project": tag, "com.docker.compose.service": "coordinator"},
+    )
+
+
+def test_a_coordinator_killed_by_chaos_is_not_the_end_of_the_run(engine):
+    """Only a coordinator that exited 0 (its report written, --exit-when-finished) ends the
+    run. One this backend killed exits 137 until it is started again; read as the end, it
+    stopped every fault schedule aimed at the project and left killed learners down."""
+    c, image = engine
+    ctr = _coordinator(c, image, ["python3", "-c", LOOP])
+    try:
+        backend = DockerBackend.for_compose_project(ctr.labels["com.docker.compose.project"], c)
+        assert backend.containers == {"coordinator": ctr.name}
+        chaos = ChaosController(Schedule([]), backend, MetricsLog(None, "chaos"))
+        _wait(lambda: _counter(ctr) >= 1, what="the loop to run")
+        assert not backend.run_over()
+        fid = chaos.inject("kill", "coordinator")
+        ctr.reload()
+        assert (ctr.status, ctr.attrs["State"]["ExitCode"]) == ("exited", 137)
+        assert not backend.run_over()
+        chaos.recover(fid)
+        assert backend.status("coordinator") == "running" and not backend.run_over()
+    finally:
+        ctr.remove(force=True)
+
+
+def test_a_coordinator_that_exited_0_ends_the_run(engine):
+    c, image = engine
+    ctr = _coordinator(c, image, ["python3", "-c", "pass"])
+    try:
+        backend = DockerBackend.for_compose_project(ctr.labels["com.docker.compose.project"], c)
+        _wait(lambda: backend.status("coordinator") == "exited", what="the container to exit")
+        assert backend.run_over()
+    finally:
+        ctr.remove(force=True)

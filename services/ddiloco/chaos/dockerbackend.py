@@ -111,7 +111,16 @@ class DockerBackend:
         return self.status("coordinator") == "running"
 
     def run_over(self) -> bool:
-        return "coordinator" in self.containers and self.status("coordinator") in ("exited", "dead")
+        """True once the run has finished: the coordinator exits 0 when its report is written
+        (``--exit-when-finished``, as compose.yaml runs it). A coordinator down for any other
+        reason is not the end of the run, above all one this backend killed (exit 137 until it
+        is started again): read as the end, one kill of the coordinator stopped the whole
+        fault schedule (of every ``ddiloco chaos`` aimed at the project) and left the learners
+        killed meanwhile down."""
+        if "coordinator" not in self.containers:
+            return False
+        ctr = self._container("coordinator")
+        return ctr.status == "exited" and ctr.attrs["State"]["ExitCode"] == 0
 
     def datacenter_of(self, target: str) -> str:
         return self.datacenters.get(target, target)
