@@ -9,7 +9,8 @@ import torch
 
 from outer_helpers import make_delta, state_specs, tiny_config
 
-from ddiloco.common.errors import InvalidArgument
+from ddiloco.common.errors import InvalidArgument, WrongShard
+from ddiloco.common.rpc import status_code
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.outer.service import status_message
 from ddiloco.outer.state import OuterState
@@ -91,8 +92,11 @@ def test_a_shard_holds_only_its_fragments_and_refuses_the_others():
     )
     other = OuterState(sharded_config(2), None, shard=0)
     header, payload = make_delta(state_specs(other, 0), "shards", 0, 1, 0, seed=1, fragment=0)
-    with pytest.raises(InvalidArgument, match="fragment 0 belongs to outer shard 0, this is shard 1"):
+    with pytest.raises(WrongShard, match="fragment 0 belongs to outer shard 0, this is shard 1") as wrong:
         shard.accept(header, payload)
+    # the request is right and the address it went to is not (a stale map of shard addresses):
+    # UNAVAILABLE, which callers retry once their map is refreshed, not INVALID_ARGUMENT
+    assert status_code(wrong.value).name == "UNAVAILABLE"
     header.fragment = P
     with pytest.raises(InvalidArgument, match=f"fragment {P} does not exist"):
         shard.accept(header, payload)

@@ -67,6 +67,15 @@ class Unavailable(Refused):
     """Not possible now; retrying later may succeed."""
 
 
+class WrongShard(Unavailable):
+    """A fragment another outer shard owns. A caller's map of shard addresses comes from the
+    coordinator, and goes stale when a shard restarts at another address, which may be one
+    another shard held before (containers and pods take whatever address is free): the
+    request is right, the address it went to is not. Asked again once its map is refreshed,
+    the right shard answers; so this is UNAVAILABLE, which callers retry, not
+    INVALID_ARGUMENT, which a learner takes for its own bug and exits on."""
+
+
 class ResourceExhausted(Refused):
     """A bound of the run is reached (every learner id is held, a caller's call rate)."""
 

@@ -237,7 +237,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):
-            svc.state.fragment(request.fragment)  # InvalidArgument: not a fragment of this shard
+            svc.state.fragment(request.fragment)  # not a fragment of the run, or of this shard
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)

@@ -55,7 +55,7 @@ from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.wire import decode_payload
 from ddiloco.outer import admission, decision, recovery
 from ddiloco.outer.checkpoint import CheckpointStore
-from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused, WrongShard
 from ddiloco.outer.journal import DeltaJournal, MergeJournal
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
 from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
@@ -167,12 +167,13 @@ class OuterState:
 
     def fragment(self, index: int) -> Fragment:
         """This shard's record of fragment ``index``; ``InvalidArgument`` for a fragment the
-        run does not have or another shard owns (a client with a wrong fragment map)."""
+        run does not have, ``WrongShard`` for one another shard owns (a client whose map of
+        shard addresses is stale)."""
         frag = self.by_index.get(index)
         if frag is None:
             if not 0 <= index < self.config.fragments:
                 raise InvalidArgument(f"fragment {index} does not exist; this run has {self.config.fragments}")
-            raise InvalidArgument(
+            raise WrongShard(
                 f"fragment {index} belongs to outer shard {index % self.config.outer_shards}, this is shard {self.shard}"
             )
         return frag
