@@ -40,6 +40,8 @@ def test_refusals_map_to_their_codes():
     assert status_code(errors.OutOfRange("x")) == grpc.StatusCode.OUT_OF_RANGE
     assert status_code(errors.DataLoss("x")) == grpc.StatusCode.DATA_LOSS
     assert status_code(errors.NotFound("x")) == grpc.StatusCode.NOT_FOUND
+    # the request is right, the address it reached is not: retried, not the caller's bug
+    assert status_code(errors.WrongShard("x")) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_subclass_of_a_refusal_takes_its_parents_code():

@@ -37,6 +37,7 @@ STATUS_OF = {
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.WrongShard: grpc.StatusCode.UNAVAILABLE,  # retried: the caller's map of shards is stale
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
 }
