@@ -191,7 +191,7 @@ def print_summary(report: dict, stream) -> None:
     print("\n| learner | tokens | inner steps | deltas accepted | deltas merged | incarnations |\n|---|---|---|---|---|---|", file=stream)
     for lr in report["learners"]:
         print(
-            f"| {lr['learner_id']} | {lr['tokens']:,} | {lr['inner_steps']} | {lr.get('deltas_accepted', lr['deltas_sent'])} | "
+            f"| {lr['learner_id']} | {lr['tokens']:,} | {lr['inner_steps']} | {lr['deltas_accepted']} | "
             f"{lr['deltas_merged']} | {lr['incarnations']} |",
             file=stream,
         )
