@@ -31,6 +31,7 @@ exponential, mean in windows): disorder as the steady state, as 16 learner proce
     python bench/async_lab.py --discount-findings --jobs 2   # the staleness-discount table -> bench/results/async_lab_discount.json
     python bench/async_lab.py --disorder-findings --jobs 2     # the steady-disorder table -> bench/results/async_lab_disorder.json
     python bench/async_lab.py --quorum-findings --jobs 2       # the quorum table -> bench/results/async_lab_quorum.json
+    python bench/async_lab.py --overlap-findings --jobs 2      # the overlap table -> bench/results/async_lab_overlap.json
 
     python bench/async_lab.py --learners 8 --tokens 12000000 --variant sync --variant ddiloco
     python bench/async_lab.py --list-variants
@@ -111,6 +112,13 @@ class LabConfig:
     # the outer optimizer: "nesterov" (merge.WorkClockNesterov, the outer optimizer's) or
     # "delayed" (DelayedWorkClockNesterov: momentum once per round of work, a candidate)
     outer_rule: str = "nesterov"
+    # eager: at a window's end the learner moves on by the global model's last move per round of
+    # work (from its own last two copies), so the steps it trains while its merge is in flight
+    # start near where the merge will put the model, instead of one outer step behind
+    eager: bool = False
+    # the share of the steps trained on the old base that a fold keeps; -1: 1 / (1 + s), s the
+    # rounds of other learners' work the new copy holds beyond the old one
+    fold_keep: float = 1.0
     upload_s: float = 0.02
     merge_s: float = 0.005
     download_s: float = 0.02  # long-polled status + transfer (0.07 with a 0.1 s status poll)
@@ -152,6 +160,19 @@ VARIANTS: dict[str, dict] = {
     "spread25-half": {"upload_spread": 0.25, "discount_rule": "inverse", "quorum": 0},
     "spread25-quorum-all": {"upload_spread": 0.25, "discount_rule": "inverse", "quorum": 10**6},
     "half": {"discount_rule": "inverse", "quorum": 0},
+    # the overlap candidates: what a learner does with the steps it trains on the old base while
+    # its merge is in flight, at the lab's latencies and with slower uploads and downloads
+    # ("slowwire": about three steps more overlap)
+    "half-eager": {"discount_rule": "inverse", "quorum": 0, "eager": True},
+    "half-keep-half": {"discount_rule": "inverse", "quorum": 0, "fold_keep": 0.5},
+    "half-keep-stale": {"discount_rule": "inverse", "quorum": 0, "fold_keep": -1},
+    "half-slowwire": {"discount_rule": "inverse", "quorum": 0, "upload_s": 0.05, "download_s": 0.05},
+    "half-slowwire-eager": {"discount_rule": "inverse", "quorum": 0, "upload_s": 0.05, "download_s": 0.05,
+                            "eager": True},
+    "half-slowwire-keep-half": {"discount_rule": "inverse", "quorum": 0, "upload_s": 0.05, "download_s": 0.05,
+                                "fold_keep": 0.5},
+    "half-slowwire-keep-stale": {"discount_rule": "inverse", "quorum": 0, "upload_s": 0.05, "download_s": 0.05,
+                                 "fold_keep": -1},
     "stalls-half": {"stall_rate": 0.1, "discount_rule": "inverse", "quorum": 0},
 }
 
@@ -184,6 +205,14 @@ QUORUM_FINDINGS = [
     (16, 12_000_000, ["inverse", "half"], (1,)),
     (8, 12_000_000, ["sync", "inverse", "half"], (0,)),
     (4, 12_000_000, ["sync", "stalls-inverse", "stalls-half"], (0,)),
+]
+
+# The overlap findings of docs/algorithm.md ("The overlap: two candidates rejected"): the
+# default rule against moving on eagerly and against keeping only part of the overlap's steps,
+# at the lab's latencies and with about three steps more overlap, M = 4, 12M tokens, seed 0.
+OVERLAP_FINDINGS = [
+    (4, 12_000_000, ["sync", "half", "half-eager", "half-keep-half", "half-keep-stale", "half-slowwire",
+                     "half-slowwire-eager", "half-slowwire-keep-half", "half-slowwire-keep-stale"]),
 ]
 
 # The findings of docs/algorithm.md: (learners, tokens, variants).
@@ -220,6 +249,12 @@ class Learner:
         self.waiting = False
         self.extra = 0  # steps added to the current window (phase alignment)
         self.lcfg = lcfg
+        # the overlap candidates (``eager``, ``fold_keep``)
+        self.eager, self.fold_keep, self.round_tokens = lab.eager, lab.fold_keep, cfg.round_tokens()
+        self.own_at: dict[int, dict[int, int]] = {0: {}}  # set by run(): own merged tokens per version
+        self.copy = [p.detach().clone() for p in self.params]  # the latest global copy
+        self.copy_tokens = 0
+        self.est_move: list[torch.Tensor] | None = None  # the global move per round of work, last seen
 
     def step_time(self, lab: LabConfig) -> float:
         t = lab.step_s * self.slow * max(0.2, 1.0 + lab.jitter * float(self.rng.standard_normal()))
@@ -243,9 +278,22 @@ class Learner:
         self.incoming = None
         if version <= self.version:
             return
+        keep = self.fold_keep
+        if keep < 0:
+            own = self.own_at[version].get(self.id, 0) - self.own_at[self.version].get(self.id, 0)
+            keep = 1.0 / (1.0 + max(0.0, (tokens - self.tokens_at_copy - own) / self.round_tokens))
         for p, a, gt in zip(self.params, self.anchor, g):
+            if keep != 1.0:
+                p.sub_(a).mul_(keep).add_(a)
             p.add_(gt - a)
             a.copy_(gt)
+        between = tokens - self.copy_tokens
+        if between > 0 and self.copy_tokens > 0:
+            scale = self.round_tokens / between
+            self.est_move = [(gt - c) * scale for gt, c in zip(g, self.copy)]
+        for c, gt in zip(self.copy, g):
+            c.copy_(gt)
+        self.copy_tokens = tokens
         self.version, self.tokens_at_copy = version, tokens
 
     def train_step(self) -> None:
@@ -266,6 +314,10 @@ class Learner:
         arrays = [(n, (a - p).numpy().copy()) for n, a, p in zip(self.names, self.anchor, self.params)]
         for a, p in zip(self.anchor, self.params):
             a.copy_(p)
+        if self.eager and self.est_move is not None:
+            for a, p, e in zip(self.anchor, self.params, self.est_move):
+                p.add_(e)
+                a.add_(e)
         if codec == "fp32":
             return [torch.from_numpy(x) for _, x in arrays]
         enc = self.ef.encode(arrays, codec, block)
@@ -372,6 +424,8 @@ def run(lab: LabConfig, log=None) -> dict:
     version, tokens_merged = 0, 0
     tokens_at_version = {0: 0}
     own_at_version: dict[int, dict[int, int]] = {0: {}}
+    for lr_ in learners:
+        lr_.own_at = own_at_version  # a fold's staleness rule reads its own merged work per version
     own_merged = [0] * m
     pending: list[Delta] = []
     quorum_since: float | None = None
@@ -577,6 +631,8 @@ def main() -> int:
                     help="the quorum grid of docs/algorithm.md (QUORUM_FINDINGS; its own seeds)")
     ap.add_argument("--disorder-findings", action="store_true",
                     help="run the steady-disorder grid of docs/algorithm.md (DISORDER_FINDINGS)")
+    ap.add_argument("--overlap-findings", action="store_true",
+                    help="the overlap grid of docs/algorithm.md (OVERLAP_FINDINGS)")
     ap.add_argument("--jobs", type=int, default=1, help="variants run in parallel processes (results do not depend on it)")
     ap.add_argument("--allow-dirty", action="store_true")
     args = ap.parse_args()
@@ -584,7 +640,7 @@ def main() -> int:
         print(json.dumps(VARIANTS, indent=1))
         return 0
     named = {"findings": FINDINGS, "discount_findings": DISCOUNT_FINDINGS, "disorder_findings": DISORDER_FINDINGS,
-             "quorum_findings": QUORUM_FINDINGS}
+             "quorum_findings": QUORUM_FINDINGS, "overlap_findings": OVERLAP_FINDINGS}
     chosen = [k for k in named if getattr(args, k)]
     if len(chosen) > 1:
         ap.error("one findings grid at a time")
@@ -620,7 +676,7 @@ def main() -> int:
             _print(results[-1])
     default_out = {"findings": "async_lab.json", "discount_findings": "async_lab_discount.json",
                    "disorder_findings": "async_lab_disorder.json",
-                   "quorum_findings": "async_lab_quorum.json"}.get(chosen[0]) if chosen else None
+                   "quorum_findings": "async_lab_quorum.json", "overlap_findings": "async_lab_overlap.json"}.get(chosen[0]) if chosen else None
     out = args.out or (ROOT / "bench" / "results" / default_out if default_out else None)
     if out:
         def key(r):

@@ -33,8 +33,9 @@ def test_every_variant_names_only_laboratory_fields():
     fields = {f.name for f in async_lab.dataclasses.fields(async_lab.LabConfig)}
     for name, overrides in async_lab.VARIANTS.items():
         assert set(overrides) <= fields, name
-    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS, async_lab.DISORDER_FINDINGS):
-        assert all(v in async_lab.VARIANTS for _, _, vs in grid for v in vs)
+    for grid in (async_lab.FINDINGS, async_lab.DISCOUNT_FINDINGS, async_lab.DISORDER_FINDINGS,
+                 async_lab.QUORUM_FINDINGS, async_lab.OVERLAP_FINDINGS):
+        assert all(v in async_lab.VARIANTS for _, _, vs, *_ in grid for v in vs)
 
 
 def test_stalls_change_arrivals_but_leave_every_other_draw_alone():
@@ -56,7 +57,7 @@ def test_the_discount_rules_are_their_closed_forms():
 
 def _four(**kw):
     """Four learners, about a round and a half of work: enough for uploads to overtake windows."""
-    return async_lab.LabConfig(learners=4, tokens=60_000, eval_every_tokens=30_000, eval_windows=32, **kw)
+    return async_lab.LabConfig(**{"learners": 4, "tokens": 60_000, "eval_every_tokens": 30_000, "eval_windows": 32, **kw})
 
 
 def test_upload_spread_puts_deltas_out_of_phase_and_leaves_every_other_draw_alone():
@@ -101,3 +102,46 @@ def test_delayed_nesterov_with_one_merge_per_round_is_torch_nesterov():
         ref.grad = g.clone()
         sgd.step()
     assert torch.allclose(mine[0], ref.detach(), atol=1e-6)
+
+
+def _folding(keep: float, eager: bool = False):
+    """A learner's fold state without a model: one tensor, its anchor, a copy that arrived."""
+    import types
+
+    import torch
+
+    return types.SimpleNamespace(
+        params=[torch.tensor([5.0, -1.0])], anchor=[torch.tensor([4.0, 1.0])], copy=[torch.zeros(2)],
+        incoming=(2, 3_000, [torch.tensor([10.0, 10.0])]), version=1, tokens_at_copy=1_000, copy_tokens=1_000,
+        fold_keep=keep, eager=eager, est_move=None, id=0, round_tokens=1_600,
+        own_at={1: {0: 400}, 2: {0: 800}},
+    )
+
+
+def test_the_fold_keeps_the_unsent_work_or_the_share_a_candidate_names():
+    import torch
+
+    # the default: params <- G + (params - anchor)
+    st = _folding(1.0)
+    async_lab.Learner.fold(st)
+    assert torch.equal(st.params[0], torch.tensor([11.0, 8.0])) and torch.equal(st.anchor[0], torch.tensor([10.0, 10.0]))
+    st = _folding(0.5)
+    async_lab.Learner.fold(st)
+    assert torch.equal(st.params[0], torch.tensor([10.5, 9.0]))
+    # 1 / (1 + s): 2,000 tokens merged since the copy, 400 of them this learner's own, so
+    # s = 1,600 / 1,600 = one round of others' work and the fold keeps half
+    st = _folding(-1.0)
+    async_lab.Learner.fold(st)
+    assert torch.equal(st.params[0], torch.tensor([10.5, 9.0]))
+    # the global move per round of work, for the eager candidate: 10 over 2,000 tokens
+    assert torch.allclose(st.est_move[0], torch.tensor([8.0, 8.0]))
+
+
+def test_the_overlap_candidates_change_training_and_their_defaults_do_not():
+    base = async_lab.run(_four())
+    assert async_lab.run(_four(fold_keep=1.0, eager=False))["curve"] == base["curve"]
+    assert async_lab.run(_four(fold_keep=0.5))["curve"] != base["curve"]
+    # moving on eagerly needs two copies of the global model first: a few rounds
+    longer = {"tokens": 150_000, "eval_every_tokens": 50_000}
+    eager = async_lab.run(_four(eager=True, **longer))
+    assert eager["curve"] != async_lab.run(_four(**longer))["curve"]
