@@ -236,3 +236,77 @@ def test_a_stream_that_declares_much_and_sends_little_costs_what_it_sent():
                         on_break=lambda h, b: held.update(data=b, grown=resident_bytes() - before))
     assert held["data"] == b"x" * 100
     assert held["grown"] < 64 << 20
+
+
+# ----------------------------------------------------------------------------- receive pool
+MIB = 1 << 20
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def test_a_pooled_buffer_is_reused_only_once_nothing_refers_to_its_payload():
+    import torch
+
+    pool = wire.ReceivePool(max_free=2, min_bytes=MIB)
+    first = pool.take(2 * MIB)
+    where = _address(first)
+    # what a receiver keeps of a payload: a slice, an array over it, a tensor sharing it
+    kept = [first[10:20], np.frombuffer(first, dtype=np.float32), torch.from_numpy(np.frombuffer(first, dtype=np.uint8))]
+    del first
+    while kept:
+        other = pool.take(2 * MIB)
+        assert _address(other) != where and pool.reused == 0, "memory handed out while a payload view was alive"
+        del other  # goes back to the pool; fine, it is not the first buffer
+        pool._free.clear()
+        kept.pop()
+    again = pool.take(2 * MIB)
+    assert _address(again) == where and pool.reused == 1
+
+
+def test_a_payload_still_held_survives_the_next_one_received_and_a_reused_buffer_shows_no_old_bytes():
+    pool = wire.ReceivePool(max_free=2, min_bytes=MIB)
+    a = np.random.default_rng(2).normal(size=MIB // 2).astype(np.float32)
+    b = np.random.default_rng(3).normal(size=MIB // 2).astype(np.float32)
+
+    def receive(arr):
+        enc = codec.encode([("w", arr)], "fp32", 64, compression="none")
+        frames = [wire.serialize(m) for m in wire.stream_frames(
+            outer_pb2.DeltaChunk, outer_pb2.DeltaHeader(payload=wire.payload_info(enc)), enc.payload, 256 * 1024)]
+        parse = wire.chunk_parser(outer_pb2.DeltaChunk)
+        real = wire.RECEIVE_POOL
+        wire.RECEIVE_POOL = pool
+        try:
+            header, payload = wire.reassemble((parse(f) for f in frames), 16 * MIB, "delta")
+        finally:
+            wire.RECEIVE_POOL = real
+        return header, payload
+
+    h1, held = receive(a)  # e.g. a payload a slow consumer still holds
+    h2, later = receive(b)
+    assert _address(later) != _address(held)
+    assert wire.decode_payload(h1.payload, held)[0][1].tobytes() == a.tobytes()
+    assert wire.decode_payload(h2.payload, later)[0][1].tobytes() == b.tobytes()
+    where = _address(held)
+    del held
+    h3, again = receive(b)  # into the first buffer, which held a's bytes
+    assert pool.reused == 1 and _address(again) == where
+    assert wire.decode_payload(h3.payload, again)[0][1].tobytes() == b.tobytes()
+
+
+def test_the_pool_keeps_few_buffers_and_none_for_small_or_much_smaller_payloads():
+    pool = wire.ReceivePool(max_free=2, min_bytes=MIB)
+    small = pool.take(MIB - 1)
+    del small
+    assert pool.idle_bytes() == 0  # not pooled
+    two, three, four = (pool.take(n * MIB) for n in (2, 3, 4))
+    del two
+    del three
+    del four
+    assert sorted(b.nbytes for b in pool._free) == [3 * MIB, 4 * MIB]  # the oldest went back to the kernel
+    half = pool.take(int(1.4 * MIB))  # under half of every idle buffer: fresh memory
+    assert pool.reused == 0
+    fits = pool.take(int(3.5 * MIB))  # the 4 MiB one
+    assert pool.reused == 1 and [b.nbytes for b in pool._free] == [3 * MIB]
+    del half, fits

@@ -14,6 +14,8 @@ as before: the bytes on the wire are the same either way.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import grpc
@@ -170,16 +172,76 @@ def chunk_parser(message_cls) -> Callable[[bytes], object]:
     return parse
 
 
-def receive_buffer(nbytes: int) -> memoryview:
-    """A writable buffer of ``nbytes`` for a payload being received, not yet touched.
+class ReceivePool:
+    """Memory for received payloads, reused once nothing refers to it any more.
+
+    Why: on this kind of host the first touch of fresh memory, not the copy into it, is what
+    a large upload's receiving side spends most on when it is slow (a 256 MB payload: 0.24 to
+    0.28 s of page faults where a warm buffer fills in 0.035 s), and a run receives payloads
+    of the same few sizes over and over.
+
+    Why it is safe: a buffer is handed out only as a ``memoryview`` of a numpy view made for
+    that one payload, and everything derived from it (slices, ``np.frombuffer``, tensors
+    that share its memory, such as decoded fp32 deltas waiting in a merge queue) holds a
+    reference to that view. The memory goes back to the pool only when the view is
+    collected (``weakref.finalize``), so no payload's bytes are ever overwritten while any
+    of them can still be read. A reused buffer's old bytes are never read: reassembly
+    writes every byte it returns.
+
+    Bounds: payloads under ``min_bytes`` are not pooled (their faults are few); at most
+    ``max_free`` buffers wait idle, each used only for a payload of at least half its size,
+    so idle memory stays within ``max_free`` of the largest payloads recently received."""
+
+    def __init__(self, max_free: int = 2, min_bytes: int = 1 << 20) -> None:
+        self.max_free = max_free
+        self.min_bytes = min_bytes
+        self._free: list[np.ndarray] = []
+        # re-entrant: a collection inside ``take`` may run a finaliser that gives one back
+        self._lock = threading.RLock()
+        self.reused = 0  # buffers handed out again (tests, diagnostics)
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` (its old content is not defined)."""
+        if nbytes < self.min_bytes:
+            return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")
+        backing = None
+        with self._lock:
+            fits = [b for b in self._free if nbytes <= b.nbytes <= 2 * nbytes]
+            if fits:
+                backing = min(fits, key=lambda b: b.nbytes)
+                self._free = [b for b in self._free if b is not backing]
+                self.reused += 1
+        if backing is None:
+            backing = np.empty(nbytes, dtype=np.uint8)
+        view = backing[:nbytes]
+        weakref.finalize(view, self._give_back, backing)
+        return memoryview(view).cast("B")
+
+    def _give_back(self, backing: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(backing)
+            if len(self._free) > self.max_free:
+                self._free.pop(0)  # the oldest goes; the kernel gets its memory back
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+
+RECEIVE_POOL = ReceivePool()
+
+
+def receive_buffer(nbytes: int, pool: ReceivePool | None = None) -> memoryview:
+    """A writable buffer of ``nbytes`` for a payload being received.
 
     numpy's allocation, not a ``bytearray``: numpy asks the kernel for transparent huge pages
     on large buffers, so filling one costs one page fault per 2 MiB instead of per 4 KiB.
     Measured on 256 MB of 1 MiB chunks: 40 ms against 160 ms for a growing ``bytearray``
     (the faults, not the copy, were most of a loopback upload's receiving side). Pages are
     only touched as data arrives: a stream that declares its size and then sends little
-    costs what it sent."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")
+    costs what it sent. Large buffers come from ``RECEIVE_POOL`` (``pool``), which reuses
+    the memory of payloads nothing refers to any more."""
+    return (pool or RECEIVE_POOL).take(nbytes)
 
 
 def reassemble(
