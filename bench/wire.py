@@ -18,9 +18,12 @@
   counts. Nothing is framed, copied, reassembled or kept in Python; what is left is gRPC's
   own cost per byte. ``bare_ratio`` is its throughput over TCP's: the most any change to
   ddiloco's wire that stays on gRPC could reach here.
+* ``nopool``: the ``grpc`` round again, against a second server process, with every payload
+  received into fresh memory at both ends (``wire.ReceivePool(max_free=0)``): the wire as it
+  was before the receive pool, so what the pool is worth is read within one run.
 
-Each direction is timed ``--repeats`` times, a TCP round and a bare round beside each gRPC
-round (medians); ``ratio`` is gRPC over TCP. The
+Each direction is timed ``--repeats`` times, a TCP, a bare and a no-pool round beside each
+gRPC round (medians); ``ratio`` is gRPC over TCP. The
 payload is random bytes (the transport never looks inside). Usage:
 ``python bench/wire.py [--quick] [--mb 256] [--chunk-mb 1 4]``; writes
 ``bench/results/wire.json`` (``--results-dir``); refuses uncommitted changes to services/ or
@@ -56,8 +59,17 @@ def _with_options(extra: list[tuple[str, int]]) -> None:
     rpc.CLIENT_OPTIONS = rpc.CLIENT_OPTIONS + extra
 
 
-def _grpc_server(ready, stop, extra: list[tuple[str, int]]) -> None:
+def _no_pool() -> None:
+    """This process receives every payload into fresh memory, as before the receive pool."""
+    from ddiloco.common import wire
+
+    wire.RECEIVE_POOL = wire.ReceivePool(max_free=0)
+
+
+def _grpc_server(ready, stop, extra: list[tuple[str, int]], pool: bool = True) -> None:
     _with_options(extra)
+    if not pool:
+        _no_pool()
     from ddiloco.common.rpc import Server
     from ddiloco.common.wire import OUTER_SERVICE, add_outer_servicer, reassemble, stream_frames
     from ddiloco.v1 import common_pb2, outer_pb2, outer_pb2_grpc
@@ -190,43 +202,65 @@ def measure(mb: int, chunks_mb: list[float], repeats: int, extra: list[tuple[str
     ready = ctx.Queue()
     _with_options(extra)
     procs = [ctx.Process(target=_grpc_server, args=(ready, stop, extra), daemon=True),
-             ctx.Process(target=_tcp_server, args=(ready, stop, nbytes), daemon=True)]
+             ctx.Process(target=_tcp_server, args=(ready, stop, nbytes), daemon=True),
+             ctx.Process(target=_grpc_server, args=(ready, stop, extra, False), daemon=True)]
     ports = []
     for p in procs:
         p.start()
         ports.append(ready.get(timeout=120))
-    grpc_port, tcp_port = ports
+    grpc_port, tcp_port, nopool_port = ports
+    from ddiloco.common import wire
+
+    pooled, fresh = wire.RECEIVE_POOL, wire.ReceivePool(max_free=0)
+
+    def nopool_round(client, op: str, chunk: int) -> float:
+        """A gRPC round with every payload received into fresh memory at both ends."""
+        wire.RECEIVE_POOL = fresh
+        try:
+            return grpc_round(client, payload, op, chunk)
+        finally:
+            wire.RECEIVE_POOL = pooled
+
     rows = []
     try:
         tcp_round(tcp_port, payload, "u")  # warm: the server's buffer, the connection path
         for chunk_mb in chunks_mb:
             chunk = int(chunk_mb * (1 << 20))
             client = OuterClient(f"127.0.0.1:{grpc_port}", "bench", 1, chunk_bytes=chunk)
+            nopool = OuterClient(f"127.0.0.1:{nopool_port}", "bench", 1, chunk_bytes=chunk)
             bare = channel(f"127.0.0.1:{grpc_port}")
             chunks = [payload[i:i + chunk] for i in range(0, nbytes, chunk)]  # cut before any clock
             try:
                 grpc_round(client, payload, "u", chunk)  # warm: channel up, flow-control windows grown
+                nopool_round(nopool, "u", chunk)
                 bare_round(bare, chunks, "u")
                 for op, direction in (("u", "upload"), ("d", "download")):
                     # interleaved, one TCP round beside each gRPC round: the machine's state
                     # (page cache, other load, frequency) drifts between runs, and a ratio of
                     # rounds taken side by side is what the target is about
-                    tcp_s, grpc_s, bare_s = [], [], []
+                    # (and one round without the receive pool, the wire as it was before it)
+                    tcp_s, grpc_s, bare_s, nopool_s = [], [], [], []
                     for _ in range(repeats):
                         tcp_s.append(tcp_round(tcp_port, payload, op))
                         grpc_s.append(grpc_round(client, payload, op, chunk))
                         bare_s.append(bare_round(bare, chunks, op))
+                        nopool_s.append(nopool_round(nopool, op, chunk))
                     sec, tsec, bsec = statistics.median(grpc_s), statistics.median(tcp_s), statistics.median(bare_s)
+                    nsec = statistics.median(nopool_s)
                     g, t, b = nbytes / sec / 1e9, nbytes / tsec / 1e9, nbytes / bsec / 1e9
+                    n = nbytes / nsec / 1e9
                     rows.append({"direction": direction, "payload_mb": mb, "chunk_mb": chunk_mb,
                                  "grpc_gb_per_s": round(g, 3), "tcp_gb_per_s": round(t, 3), "ratio": round(g / t, 3),
                                  "bare_grpc_gb_per_s": round(b, 3), "bare_ratio": round(b / t, 3),
+                                 "nopool_grpc_gb_per_s": round(n, 3), "nopool_ratio": round(n / t, 3),
                                  "grpc_seconds": round(sec, 4), "tcp_seconds": round(tsec, 4),
-                                 "bare_seconds": round(bsec, 4)})
+                                 "bare_seconds": round(bsec, 4), "nopool_seconds": round(nsec, 4)})
                     print(f"{direction} {mb} MB, chunks of {chunk_mb} MiB: gRPC {g:.2f} GB/s, TCP {t:.2f} GB/s "
-                          f"({g / t:.2f}x), bare gRPC {b:.2f} GB/s ({b / t:.2f}x)", file=sys.stderr, flush=True)
+                          f"({g / t:.2f}x), bare gRPC {b:.2f} GB/s ({b / t:.2f}x), without the receive pool {n:.2f} GB/s "
+                          f"({n / t:.2f}x)", file=sys.stderr, flush=True)
             finally:
                 client.close()
+                nopool.close()
                 bare.close()
     finally:
         stop.set()
@@ -266,11 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows
         ],
     }
-    print("\n| direction | payload MB | chunk MiB | gRPC GB/s | TCP GB/s | ratio | bare gRPC GB/s | bare ratio |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| direction | payload MB | chunk MiB | gRPC GB/s | TCP GB/s | ratio | bare gRPC GB/s | bare ratio "
+          "| no pool GB/s | no pool ratio |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['direction']} | {r['payload_mb']} | {r['chunk_mb']:g} | {r['grpc_gb_per_s']:.2f} | "
-              f"{r['tcp_gb_per_s']:.2f} | {r['ratio']:.2f} | {r['bare_grpc_gb_per_s']:.2f} | {r['bare_ratio']:.2f} |")
+              f"{r['tcp_gb_per_s']:.2f} | {r['ratio']:.2f} | {r['bare_grpc_gb_per_s']:.2f} | {r['bare_ratio']:.2f} | "
+              f"{r['nopool_grpc_gb_per_s']:.2f} | {r['nopool_ratio']:.2f} |")
     print()
     print(cb.markdown_targets(result["targets"]))
     args.results_dir.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,10 @@ def test_quick_wire_bench_writes_both_directions(tmp_path):
         (d, c) for d in ("upload", "download") for c in (1.0, 2.0)
     }
     for r in data["rows"]:
-        assert {"payload_mb", "grpc_gb_per_s", "tcp_gb_per_s", "ratio", "bare_grpc_gb_per_s", "bare_ratio"} <= set(r)
+        assert {"payload_mb", "grpc_gb_per_s", "tcp_gb_per_s", "ratio", "bare_grpc_gb_per_s", "bare_ratio",
+                "nopool_grpc_gb_per_s", "nopool_ratio"} <= set(r)
         assert r["bare_grpc_gb_per_s"] > 0  # the ceiling of a gRPC data path, measured beside them
+        assert r["nopool_grpc_gb_per_s"] > 0  # and the wire without the receive pool
         assert r["payload_mb"] == 8 and r["grpc_gb_per_s"] > 0 and r["tcp_gb_per_s"] > 0
     assert_provenance(data["provenance"])
     assert "| direction |" in proc.stdout
