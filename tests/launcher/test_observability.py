@@ -119,6 +119,9 @@ def test_the_outer_optimizer_exports_merges_staleness_versions_and_eval_loss(liv
     assert value(s, "ddiloco_outer_delta_received_bytes_total", learner=0) > 0
     assert 0 < value(s, "ddiloco_outer_eval_loss") < 10
     assert value(s, "ddiloco_outer_tokens_merged_total") > 0
+    # the tiny model's deltas are under the receive pool's 1 MiB: exported, and nothing held
+    assert value(s, "ddiloco_outer_receive_pool_idle_bytes") == 0
+    assert value(s, "ddiloco_outer_receive_pool_reused_total") == 0
     assert value(s, "process_cpu_seconds_total") > 0
 
 

@@ -9,6 +9,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ddiloco.common import wire
 from ddiloco.common.prom import Exporter
 
 # deltas in one merge: 1 (quorum 1) up to the M = 8..64 of the benches
@@ -111,6 +112,11 @@ class _LiveState(Collector):
         for lr in st.learners:
             per.add_metric([str(lr.learner_id)], lr.deltas_merged)
         yield per
+        # memory kept for reuse by received payloads (common/wire.py): idle, and how often reused
+        yield GaugeMetricFamily("ddiloco_outer_receive_pool_idle_bytes", "Payload buffers held idle for reuse, bytes",
+                                value=wire.RECEIVE_POOL.idle_bytes())
+        yield CounterMetricFamily("ddiloco_outer_receive_pool_reused", "Received payloads that reused a pooled buffer",
+                                  value=wire.RECEIVE_POOL.reused)
         at = self.metrics.last_checkpoint
         if at > 0:
             yield GaugeMetricFamily("ddiloco_outer_checkpoint_age_seconds", "Seconds since the last checkpoint was written", value=time.time() - at)
