@@ -198,16 +198,18 @@ def _breaking(messages: list, after: int):
     raise _Broken()
 
 
-def test_a_resumed_stream_is_the_held_bytes_then_the_rest():
-    payload = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8).tobytes()
+@pytest.mark.parametrize("size", [10_000, 3 << 20])  # the second into a pooled buffer, reused the second time
+def test_a_resumed_stream_is_the_held_bytes_then_the_rest(size):
+    payload = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes()
+    chunk = size // 10
     held = {}
-    messages = _stream(payload, 1000)
+    messages = _stream(payload, chunk)
     with pytest.raises(_Broken):
-        wire.reassemble(_breaking(messages, 3), 1 << 20, "delta", on_break=lambda h, b: held.update(data=b))
-    assert held["data"] == payload[:3000]  # exactly what arrived, as bytes of its own
-    resumed = _stream(payload, 1000, offset=3000)
-    header, got = wire.reassemble(iter(resumed), 1 << 20, "delta", resume=lambda h: held["data"])
-    assert header.offset == 3000 and len(got) == len(payload) and bytes(got) == payload
+        wire.reassemble(_breaking(messages, 3), 1 << 24, "delta", on_break=lambda h, b: held.update(data=b))
+    assert held["data"] == payload[:3 * chunk]  # exactly what arrived, as bytes of its own
+    resumed = _stream(payload, chunk, offset=3 * chunk)
+    header, got = wire.reassemble(iter(resumed), 1 << 24, "delta", resume=lambda h: held["data"])
+    assert header.offset == 3 * chunk and len(got) == len(payload) and bytes(got) == payload
 
 
 def test_more_or_less_than_the_header_declares_is_refused():
