@@ -186,16 +186,27 @@ def system_factory(tmp_path):
         if throttle_rate:
             from throttle import Throttle  # tests/chaos/throttle.py
 
-            port = free_port()
-            throttle = Throttle(port, throttle_rate)
+            throttle = Throttle(free_port(), throttle_rate)
             throttles.append(throttle)
             extra["throttle"] = throttle
-            cluster.spawn(
-                "outer",
-                ["outer", "--bind", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{throttle.port}",
-                 "--coordinator", cluster.coordinator_address, "--run-dir", str(out), "--exit-when-finished",
-                 *cluster.security_flags("outer", "outer")],
-            )
+            for attempt in range(3):
+                # the outer binds the port the relay forwards to, free a moment ago; any process's
+                # outgoing connection may take it in between (the kernel hands out the same range),
+                # and then the outer stops at once, naming the port: start it on another
+                port = throttle.upstream[1]
+                proc = cluster.spawn(
+                    "outer",
+                    ["outer", "--bind", f"127.0.0.1:{port}", "--advertise", f"127.0.0.1:{throttle.port}",
+                     "--coordinator", cluster.coordinator_address, "--run-dir", str(out), "--exit-when-finished",
+                     *cluster.security_flags("outer", "outer")],
+                )
+                wait_until(lambda: cluster.registered_outer() or proc.returncode() is not None, 120,
+                           "the outer optimizer to register or exit")
+                if cluster.outer_address or attempt == 2:
+                    break
+                assert "Failed to bind" in proc.log_path.read_text(), f"the outer optimizer exited; see {proc.log_path}"
+                cluster.procs.remove(proc)
+                throttle.upstream = ("127.0.0.1", free_port())
         else:
             cluster.start_outer()
         wait_until(cluster.registered_outer, 120, "the outer optimizer to register")
