@@ -181,9 +181,9 @@ class ReceivePool:
     of the same few sizes over and over.
 
     Why it is safe: a buffer is handed out only as a ``memoryview`` of a numpy view made for
-    that one payload, and everything derived from it (slices, ``np.frombuffer``, tensors
-    that share its memory, such as decoded fp32 deltas waiting in a merge queue) holds a
-    reference to that view. The memory goes back to the pool only when the view is
+    that one payload, and everything derived from it (slices, ``np.frombuffer`` arrays,
+    tensors over those; decoding copies, but nothing relies on it) holds a reference to that
+    view. The memory goes back to the pool only when the view is
     collected (``weakref.finalize``), so no payload's bytes are ever overwritten while any
     of them can still be read. A reused buffer's old bytes are never read: reassembly
     writes every byte it returns.
@@ -231,7 +231,7 @@ class ReceivePool:
 RECEIVE_POOL = ReceivePool()
 
 
-def receive_buffer(nbytes: int, pool: ReceivePool | None = None) -> memoryview:
+def receive_buffer(nbytes: int) -> memoryview:
     """A writable buffer of ``nbytes`` for a payload being received.
 
     numpy's allocation, not a ``bytearray``: numpy asks the kernel for transparent huge pages
@@ -239,9 +239,10 @@ def receive_buffer(nbytes: int, pool: ReceivePool | None = None) -> memoryview:
     Measured on 256 MB of 1 MiB chunks: 40 ms against 160 ms for a growing ``bytearray``
     (the faults, not the copy, were most of a loopback upload's receiving side). Pages are
     only touched as data arrives: a stream that declares its size and then sends little
-    costs what it sent. Large buffers come from ``RECEIVE_POOL`` (``pool``), which reuses
-    the memory of payloads nothing refers to any more."""
-    return (pool or RECEIVE_POOL).take(nbytes)
+    costs what it sent. Buffers of 1 MiB and more come from ``RECEIVE_POOL``, which reuses
+    the memory of payloads nothing refers to any more (the module's one pool: a test or a
+    bench replaces it to receive into fresh memory)."""
+    return RECEIVE_POOL.take(nbytes)
 
 
 def reassemble(
