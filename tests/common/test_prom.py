@@ -85,3 +85,20 @@ def _free_port() -> int:
     from ddiloco.launcher.endpoints import free_port
 
     return free_port()
+
+
+def test_the_receive_pool_families_show_what_the_pool_holds(monkeypatch):
+    from ddiloco.common import wire
+    from ddiloco.common.prom import receive_pool_families
+
+    pool = wire.ReceivePool(max_free=2, min_bytes=1 << 20)
+    monkeypatch.setattr(wire, "RECEIVE_POOL", pool)
+    first = pool.take(2 << 20)
+    del first  # nothing refers to it: idle in the pool
+    held = pool.take(2 << 20)  # the same memory again, held
+    idle, reused = receive_pool_families("ddiloco_x_idle_bytes", "ddiloco_x_reused", ["learner"], ["3"])
+    assert [(s.labels, s.value) for s in idle.samples] == [({"learner": "3"}, 0.0)]
+    assert [s.value for s in reused.samples] == [1.0]
+    del held
+    idle, _ = receive_pool_families("ddiloco_x_idle_bytes", "ddiloco_x_reused", ["learner"], ["3"])
+    assert [s.value for s in idle.samples] == [float(2 << 20)]

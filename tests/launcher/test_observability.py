@@ -143,6 +143,9 @@ def test_each_learner_exports_its_tokens_steps_bytes_and_step_time(live_run):
         assert 0 < value(s, "ddiloco_learner_compute_utilization_ratio", **labels) <= 1
         assert value(s, "ddiloco_learner_phase", phase="training", **labels) == 1
         assert value(s, "ddiloco_learner_downloaded_bytes_total", **labels) > 0
+        # the tiny model's downloads are under the receive pool's 1 MiB: exported, nothing held
+        assert value(s, "ddiloco_learner_receive_pool_idle_bytes", **labels) == 0
+        assert value(s, "ddiloco_learner_receive_pool_reused_total", **labels) == 0
 
 
 def test_the_coordinator_exports_every_members_lease_state_and_reported_work(live_run):

@@ -69,3 +69,17 @@ def start_exporter(host: str, port: int) -> Exporter | None:
         return Exporter(host, port)
     except OSError as exc:
         raise SystemExit(f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def receive_pool_families(idle_name: str, reused_name: str, labels: list[str], values: list[str]) -> list:
+    """The receive pool's (``common/wire.py``) idle memory and reuse count, for a service's
+    scrape-time collector: memory a process holds on purpose should be visible."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from ddiloco.common import wire
+
+    idle = GaugeMetricFamily(idle_name, "Received payload buffers held idle for reuse, bytes", labels=labels)
+    idle.add_metric(values, wire.RECEIVE_POOL.idle_bytes())
+    reused = CounterMetricFamily(reused_name, "Received payloads that went into a reused buffer", labels=labels)
+    reused.add_metric(values, wire.RECEIVE_POOL.reused)
+    return [idle, reused]

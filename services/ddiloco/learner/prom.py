@@ -7,7 +7,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ddiloco.common.prom import Exporter
+from ddiloco.common.prom import Exporter, receive_pool_families
 
 # a tiny model on a CPU core takes ~10 ms a step, a real one on an accelerator seconds
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -87,3 +87,6 @@ class _LiveStats(Collector):
         for p in PHASES:
             phase.add_metric([*values, p], 1.0 if lr.phase == p else 0.0)
         yield phase
+        yield from receive_pool_families(
+            "ddiloco_learner_receive_pool_idle_bytes", "ddiloco_learner_receive_pool_reused", labels, values
+        )

@@ -9,8 +9,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ddiloco.common import wire
-from ddiloco.common.prom import Exporter
+from ddiloco.common.prom import Exporter, receive_pool_families
 
 # deltas in one merge: 1 (quorum 1) up to the M = 8..64 of the benches
 DELTAS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -112,11 +111,7 @@ class _LiveState(Collector):
         for lr in st.learners:
             per.add_metric([str(lr.learner_id)], lr.deltas_merged)
         yield per
-        # memory kept for reuse by received payloads (common/wire.py): idle, and how often reused
-        yield GaugeMetricFamily("ddiloco_outer_receive_pool_idle_bytes", "Payload buffers held idle for reuse, bytes",
-                                value=wire.RECEIVE_POOL.idle_bytes())
-        yield CounterMetricFamily("ddiloco_outer_receive_pool_reused", "Received payloads that reused a pooled buffer",
-                                  value=wire.RECEIVE_POOL.reused)
+        yield from receive_pool_families("ddiloco_outer_receive_pool_idle_bytes", "ddiloco_outer_receive_pool_reused", [], [])
         at = self.metrics.last_checkpoint
         if at > 0:
             yield GaugeMetricFamily("ddiloco_outer_checkpoint_age_seconds", "Seconds since the last checkpoint was written", value=time.time() - at)
