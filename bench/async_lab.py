@@ -252,9 +252,9 @@ class Learner:
         # the overlap candidates (``eager``, ``fold_keep``)
         self.eager, self.fold_keep, self.round_tokens = lab.eager, lab.fold_keep, cfg.round_tokens()
         self.own_at: dict[int, dict[int, int]] = {0: {}}  # set by run(): own merged tokens per version
-        self.copy = [p.detach().clone() for p in self.params]  # the latest global copy
-        self.copy_tokens = 0
-        self.est_move: list[torch.Tensor] | None = None  # the global move per round of work, last seen
+        # eager only: the latest global copy, and the global move per round of work last seen
+        self.copy = [p.detach().clone() for p in self.params] if lab.eager else []
+        self.est_move: list[torch.Tensor] | None = None
 
     def step_time(self, lab: LabConfig) -> float:
         t = lab.step_s * self.slow * max(0.2, 1.0 + lab.jitter * float(self.rng.standard_normal()))
@@ -287,13 +287,12 @@ class Learner:
                 p.sub_(a).mul_(keep).add_(a)
             p.add_(gt - a)
             a.copy_(gt)
-        between = tokens - self.copy_tokens
-        if between > 0 and self.copy_tokens > 0:
-            scale = self.round_tokens / between
-            self.est_move = [(gt - c) * scale for gt, c in zip(g, self.copy)]
-        for c, gt in zip(self.copy, g):
-            c.copy_(gt)
-        self.copy_tokens = tokens
+        if self.eager:
+            between = tokens - self.tokens_at_copy
+            if between > 0 and self.tokens_at_copy > 0:
+                self.est_move = [(gt - c) * (self.round_tokens / between) for gt, c in zip(g, self.copy)]
+            for c, gt in zip(self.copy, g):
+                c.copy_(gt)
         self.version, self.tokens_at_copy = version, tokens
 
     def train_step(self) -> None:
@@ -314,7 +313,7 @@ class Learner:
         arrays = [(n, (a - p).numpy().copy()) for n, a, p in zip(self.names, self.anchor, self.params)]
         for a, p in zip(self.anchor, self.params):
             a.copy_(p)
-        if self.eager and self.est_move is not None:
+        if self.est_move is not None:
             for a, p, e in zip(self.anchor, self.params, self.est_move):
                 p.add_(e)
                 a.add_(e)

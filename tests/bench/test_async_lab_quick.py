@@ -112,7 +112,7 @@ def _folding(keep: float, eager: bool = False):
 
     return types.SimpleNamespace(
         params=[torch.tensor([5.0, -1.0])], anchor=[torch.tensor([4.0, 1.0])], copy=[torch.zeros(2)],
-        incoming=(2, 3_000, [torch.tensor([10.0, 10.0])]), version=1, tokens_at_copy=1_000, copy_tokens=1_000,
+        incoming=(2, 3_000, [torch.tensor([10.0, 10.0])]), version=1, tokens_at_copy=1_000,
         fold_keep=keep, eager=eager, est_move=None, id=0, round_tokens=1_600,
         own_at={1: {0: 400}, 2: {0: 800}},
     )
@@ -133,8 +133,12 @@ def test_the_fold_keeps_the_unsent_work_or_the_share_a_candidate_names():
     st = _folding(-1.0)
     async_lab.Learner.fold(st)
     assert torch.equal(st.params[0], torch.tensor([10.5, 9.0]))
+    assert st.est_move is None  # kept only for the eager candidate
     # the global move per round of work, for the eager candidate: 10 over 2,000 tokens
+    st = _folding(1.0, eager=True)
+    async_lab.Learner.fold(st)
     assert torch.allclose(st.est_move[0], torch.tensor([8.0, 8.0]))
+    assert torch.equal(st.copy[0], torch.tensor([10.0, 10.0]))
 
 
 def test_the_overlap_candidates_change_training_and_their_defaults_do_not():
