@@ -11,6 +11,9 @@ profile's rate in both directions (``ddiloco run --topology netns``; see docs/wa
     ddiloco-int8            Decoupled DiLoCo, int8 pseudo-gradients (the quality bench's flags)
     ddiloco-int4            the same with int4
     ddiloco-int4-fragments  int4 with P fragments on staggered schedules (--fragments P)
+    ddiloco-int4-fragments-paced
+                            the same with paced transfers (--pace-transfers): each upload
+                            and download spread over most of a fragment slot
 
 Size, H and every other setting come from bench/quality.py (its ``cpu`` preset, ``quick``
 with --quick, its N budget), so quality and bandwidth describe the same runs. ``--model
@@ -64,11 +67,12 @@ import quality  # noqa: E402  (the quality bench: its presets and ddiloco flags 
 from common_bench import finish_provenance, start_provenance  # noqa: E402
 from ddiloco.common.config import MODEL_PRESETS  # noqa: E402
 
-METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments"]
+METHODS = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments", "ddiloco-int4-fragments-paced"]
 DDILOCO = [m for m in METHODS if m.startswith("ddiloco")]
 DEFAULT_FRAGMENTS = 8  # P: several fragment messages per learner in each 1 s window at this model size
 DP_PORT = 29500  # the rendezvous port inside datacenter 0's fresh namespace: always free there
-SWEEP_METHODS = ["ddiloco-int4", "ddiloco-int4-fragments"]
+SWEEP_METHODS = ["ddiloco-int4", "ddiloco-int4-fragments"]  # the sweep's default
+SWEEPABLE = [*SWEEP_METHODS, "ddiloco-int4-fragments-paced"]
 LOSS_TOLERANCE = 0.01  # a larger H "keeps the quality" while its loss is within 1% of the preset H's
 
 # --model small: the quality preset's batch and H, with a budget and an evaluation interval
@@ -87,7 +91,7 @@ def sweep_name(method: str, h: int) -> str:
 def swept_from(method: str) -> str | None:
     """The method a sweep row ``<method>-h<H>`` varies, or None for any other row."""
     base, _, h = method.rpartition("-h")
-    return base if base in SWEEP_METHODS and h.isdigit() else None
+    return base if base in SWEEPABLE and h.isdigit() else None
 
 
 def method_flags(method: str, fragments: int, learners: int) -> list[str]:
@@ -96,6 +100,8 @@ def method_flags(method: str, fragments: int, learners: int) -> list[str]:
         return [*method_flags(base, fragments, learners), "--inner-steps", method.rpartition("-h")[2]]
     if method == "ddiloco-int4-fragments":
         return [*quality.method_flags("ddiloco-int4", learners), "--fragments", str(fragments)]
+    if method == "ddiloco-int4-fragments-paced":
+        return [*method_flags("ddiloco-int4-fragments", fragments, learners), "--pace-transfers"]
     return quality.method_flags(method, learners)
 
 
@@ -301,6 +307,9 @@ def targets(rows: list[dict], profile: str) -> list[dict]:
     if i4 is not None:
         out[-1]["row"] = i4["method"]
     add("ddiloco-int4-fragments peak / avg Mbit/s", frag["peak_over_avg"] if frag else None, 1.5, lambda v: v <= 1.5)
+    paced = by.get("ddiloco-int4-fragments-paced")
+    if paced is not None:
+        add("ddiloco-int4-fragments-paced peak / avg Mbit/s", paced["peak_over_avg"], 1.5, lambda v: v <= 1.5)
     ddl = [r for r in rows if r["method"] in DDILOCO]
     add(f"min compute_utilization of ddiloco rows ({profile})",
         min((r["compute_utilization"] for r in ddl if r["compute_utilization"] is not None), default=None), 0.95,
@@ -310,7 +319,7 @@ def targets(rows: list[dict], profile: str) -> list[dict]:
     add(f"min over ddiloco rows of dp seconds_to_target_loss / theirs ({profile})",
         round(min(speedups), 2) if speedups else None, 20, lambda v: v >= 20)
     if profile != "wan":
-        for t in out[2:]:
+        for t in out[3 if paced is not None else 2:]:
             t["note"] = "the issue states this target under the wan profile"
     return out
 
@@ -436,7 +445,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model size preset (default: the quality preset's, 2 layers of width 64)")
     p.add_argument("--sweep", default="", help="comma-separated H values beyond the preset's, e.g. 50,100 (the H sweep)")
     p.add_argument("--sweep-methods", default=",".join(SWEEP_METHODS),
-                   help="methods the H sweep repeats, a subset of " + ", ".join(SWEEP_METHODS))
+                   help="methods the H sweep repeats, a subset of " + ", ".join(SWEEPABLE))
+    p.add_argument("--tag", default="", help="appended to the result files' names (a run of a subset of the methods)")
     p.add_argument("--budget", type=int, default=0, help="tokens (default: the quality preset's N)")
     p.add_argument("--learners", type=int, default=0, help=f"M (default: {quality.M}, 2 with --quick)")
     p.add_argument("--dp-steps", type=int, default=0,
@@ -462,9 +472,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--sweep: expected comma-separated whole numbers, got {args.sweep!r}")
     if any(h < 1 for h in args.sweep_h):
         p.error("--sweep: every H must be at least 1")
+    if args.tag and not all(c.isalnum() or c == "-" for c in args.tag):
+        p.error(f"--tag: letters, digits and '-' only (it names files), got {args.tag!r}")
     args.sweep_method_list = [m.strip() for m in args.sweep_methods.split(",") if m.strip()]
-    if [m for m in args.sweep_method_list if m not in SWEEP_METHODS] or (args.sweep_h and not args.sweep_method_list):
-        p.error(f"--sweep-methods: choose from {SWEEP_METHODS}")
+    if [m for m in args.sweep_method_list if m not in SWEEPABLE] or (args.sweep_h and not args.sweep_method_list):
+        p.error(f"--sweep-methods: choose from {SWEEPABLE}")
     if args.model and args.model not in MODEL_SETTINGS and not args.quick and not args.budget:
         p.error(f"--model {args.model}: give --budget (a token budget is set only for {sorted(MODEL_SETTINGS)})")
     return args
@@ -484,10 +496,12 @@ def bench_preset(args: argparse.Namespace) -> "quality.Preset":
 
 
 def result_suffix(args: argparse.Namespace) -> str:
-    """bandwidth[-quick][-<model>][-<profile> unless wan]: the committed files stay apart."""
+    """bandwidth[-quick][-<model>][-<profile> unless wan][-<tag>]: the committed files stay apart."""
     parts = (["quick"] if args.quick else []) + ([args.model] if args.model else [])
     if not args.quick and args.profile != "wan":
         parts.append(args.profile)
+    if getattr(args, "tag", ""):
+        parts.append(args.tag)
     return "".join(f"-{x}" for x in parts)
 
 

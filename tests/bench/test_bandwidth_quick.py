@@ -44,9 +44,10 @@ def test_one_invocation_measures_every_method(quick):
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads((results / "bandwidth-quick.json").read_text())
     methods = [r["method"] for r in data["rows"]]
-    expected = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments", "ddiloco-int4-h10"]
+    expected = ["dp", "diloco-sync", "ddiloco-int8", "ddiloco-int4", "ddiloco-int4-fragments",
+                "ddiloco-int4-fragments-paced", "ddiloco-int4-h10"]
     assert methods == [m for m in expected if m not in data["config"]["skipped"]]
-    assert [r["inner_steps"] for r in data["rows"]] == [None, 5, 5, 5, 5, 10]  # the quick preset's H, then the sweep's
+    assert [r["inner_steps"] for r in data["rows"]] == [None, 5, 5, 5, 5, 5, 10]  # the quick preset's H, then the sweep's
     assert data["config"]["sweep_h"] == [10] and data["config"]["parameters"] > 0
     assert "ddiloco-int4-fragments" in methods, data["config"]["skipped"]
     assert_provenance(data["config"])

@@ -71,3 +71,24 @@ def test_result_files_of_a_model_and_profile_stay_apart(bw):
     assert list(names.values()) == ["", "-quick", "-small", "-small-wan-slow", "-wan-slow"]
     preset = bw.bench_preset(bw.parse_args(["--model", "small"]))
     assert preset.model.d_model == 192 and preset.budget_tokens == 1_228_800 and preset.eval_interval_s == 15.0
+
+
+def test_the_paced_row_is_the_fragments_row_with_paced_transfers_and_has_its_own_peak_target(bw):
+    assert bw.method_flags("ddiloco-int4-fragments-paced", 8, 4) == [
+        "--codec", "int4", "--fragments", "8", "--pace-transfers"]
+    assert bw.swept_from("ddiloco-int4-fragments-paced-h100") == "ddiloco-int4-fragments-paced"
+    rows = [row("dp", None, 2.0, 3000.0), row("ddiloco-int4", 25, 2.0, 12.0),
+            {**row("ddiloco-int4-fragments", 25, 2.0), "peak_over_avg": 5.4},
+            {**row("ddiloco-int4-fragments-paced", 25, 2.0), "peak_over_avg": 1.3}]
+    by = {t["target"]: t for t in bw.targets(rows, "wan-slow")}
+    assert by["ddiloco-int4-fragments peak / avg Mbit/s"]["met"] is False
+    paced = by["ddiloco-int4-fragments-paced peak / avg Mbit/s"]
+    assert paced["value"] == 1.3 and paced["met"] is True and "note" not in paced
+
+
+def test_a_tag_names_a_subset_runs_files_apart_and_must_be_a_file_name(bw, capsys):
+    args = bw.parse_args(["--model", "small", "--methods", "ddiloco-int4-fragments-paced", "--tag", "paced"])
+    assert bw.result_suffix(args) == "-small-paced"
+    with pytest.raises(SystemExit):
+        bw.parse_args(["--tag", "../x"])
+    assert "--tag" in capsys.readouterr().err

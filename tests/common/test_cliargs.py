@@ -183,3 +183,19 @@ def test_a_chunk_size_the_services_channels_cannot_carry_is_refused():
     assert problems(cfg) == [] and MAX_CHUNK_BYTES < MAX_MESSAGE_BYTES
     cfg.learner.chunk_bytes = MAX_CHUNK_BYTES + 1
     assert problems(cfg) == [f"learner.chunk_bytes must be from 1 KiB to 8 MiB, got {MAX_CHUNK_BYTES + 1}"]
+
+
+def test_pace_transfers_reaches_the_run_config_and_the_coordinators_flags_and_is_refused_with_sync():
+    import argparse
+
+    from ddiloco.common.runflags import add_run_flags, forward_run_flags, run_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    assert run_config_from_args(parser.parse_args([])).learner.pace_transfers is False
+    args = parser.parse_args(["--pace-transfers", "--fragments", "4"])
+    assert run_config_from_args(args).learner.pace_transfers is True
+    assert "--pace-transfers" in forward_run_flags(args)
+    with pytest.raises(SystemExit) as err:
+        run_config_from_args(parser.parse_args(["--pace-transfers", "--sync"]))
+    assert str(err.value).startswith("--pace-transfers cannot be used with --sync")

@@ -19,7 +19,7 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
   header, with a repeated header, or empty, or resuming at an offset nothing is held for. The valid base itself is encoded with an
   arbitrary even block size up to 2^31 - 2, in payload format 1 (zstd, SHA-256) or 2
   (uncompressed or zstd, XXH3-128). A "wild" form draws every field at random.
-* ``PullGlobal``: any run id, learner id, have_version, fragment.
+* ``PullGlobal``: any run id, learner id, have_version, fragment, pace.
 * ``UploadOffset``: any run id, learner id, sequence, offset, declared size.
 * ``ReadFragment``: any run id, fragment.
 * ``GetStatus``: any wait_newer_than, wait_ms either short (<= 30 ms) or above the bound.
@@ -341,6 +341,9 @@ def pull_requests(s: System):
         learner_id=st.one_of(st.sampled_from(s.ids), int32s()),
         have_version=int64s(),
         fragment=st.one_of(st.just(0), int32s()),
+        # a valid pace is kept short (a paced download takes its span); 10^7 ms is beyond
+        # any slot of this run, and is refused
+        pace_ms=st.one_of(st.integers(0, 30), st.integers(10_000_000, UINT32_MAX)),
     )
 
 

@@ -48,13 +48,16 @@ class Rig:
         self.clients.append(c)
         return c
 
-    def uploader(self, outer, learner_id: int = 0, first_seq: int = 1, factory=None, **cfg) -> tuple[Uploader, Supervisor]:
-        """``factory``: the uploader's client factory (default: one client of ``outer``)."""
+    def uploader(
+        self, outer, learner_id: int = 0, first_seq: int = 1, factory=None, pace=None, **cfg
+    ) -> tuple[Uploader, Supervisor]:
+        """``factory``: the uploader's client factory (default: one client of ``outer``);
+        ``pace``: the uploader's pace (None: link speed)."""
         client = self.client(outer.address, learner_id)
         metrics_path = self.tmp_path / f"uploader-{len(self.stoppers)}.jsonl"
         up = Uploader(
             LearnerConfig(codec=cfg.pop("codec", "fp32"), inner_steps=H, **cfg), factory or (lambda: client), Stats(),
-            MetricsLog(metrics_path, "learner"), first_seq, learner_id,
+            MetricsLog(metrics_path, "learner"), first_seq, learner_id, pace=pace,
         )
         up.metrics_path = metrics_path
         up.backoff_initial_s, up.backoff_max_s = 0.005, 0.02
@@ -63,11 +66,11 @@ class Rig:
         self.stoppers.append(up.stop)
         return up, sup
 
-    def puller(self, outer, fragments: int = 1, max_failures: int = 3) -> tuple[Puller, Supervisor]:
+    def puller(self, outer, fragments: int = 1, max_failures: int = 3, pace=None) -> tuple[Puller, Supervisor]:
         client = self.client(outer.address, 0)
         puller = Puller(
             lambda: client, 0, fragments, 1000, 0.02, Stats(), MetricsLog(self.tmp_path / "puller.jsonl", "learner"),
-            max_failures=max_failures, backoff_initial_s=0.005, backoff_max_s=0.02,
+            max_failures=max_failures, backoff_initial_s=0.005, backoff_max_s=0.02, pace=pace,
         )
         self.stoppers.append(puller.stop)
         return puller, Supervisor("learner", on_failure=lambda: None)

@@ -68,6 +68,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         self.push_attempts: list[tuple[int, int]] = []  # (learner id, seq) of every push received
         self.more_queued_by_attempt: list[bool] = []  # each push's DeltaHeader.more_queued
         self.pull_requests: list[tuple[int, int]] = []  # (fragment, have_version)
+        self.pull_paces_ms: list[int] = []  # each pull's pace_ms
         self.last_seq: dict[int, int] = {}
         self.tokens_accepted: collections.Counter = collections.Counter()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -125,6 +126,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
     def PullGlobal(self, request, context):
         with self.lock:
             self.pull_requests.append((request.fragment, request.have_version))
+            self.pull_paces_ms.append(request.pace_ms)
         action = self._next(self.pull_script, self.pull_default)
         if isinstance(action, grpc.StatusCode):
             context.abort(action, f"scripted {action.name}")

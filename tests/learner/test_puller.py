@@ -18,7 +18,7 @@ from ddiloco.learner.stats import Stats
 from ddiloco.v1 import outer_pb2
 
 from learner_fixtures import outer, rig  # noqa: F401 - fixtures
-from outer_fake import CORRUPT, WRONG_BASE
+from outer_fake import CORRUPT, WRONG_BASE, FakeOuter
 from support import wait_until
 
 S = grpc.StatusCode
@@ -158,3 +158,38 @@ def test_a_fragment_is_downloaded_at_most_once_per_delta_of_it_sent(tmp_path):
     # and a new version is still needed: the bound never makes a learner pull what it has
     puller.copies[0].version = 1
     assert puller._wanted(own_merged) == [1]
+
+
+def test_paced_downloads_due_together_share_one_span_and_a_retry_is_not_paced(rig):  # noqa: F811
+    with FakeOuter([[("w", np.zeros(8, np.float32))], [("w", np.zeros(8, np.float32))]]) as outer:
+        _paced_downloads(outer, rig)
+
+
+def _paced_downloads(outer, rig):  # noqa: F811
+    asked = []
+
+    def pace(n: int) -> float:
+        asked.append(n)
+        return 0.4 / n
+
+    puller, sup = rig.puller(outer, fragments=2, pace=pace)
+    puller.pull_all(timeout=10)
+    assert outer.pull_paces_ms == [0, 0]  # the start-up copy is wanted at once
+    with outer.lock:  # both fragments merged this learner's delta: two downloads due together
+        for f in (0, 1):
+            outer.params[f] = [("w", np.full(8, 1.5 + f, np.float32))]
+            outer.versions[f] = 1
+            outer.merged_by_learner[f][0] = 1
+    outer.pull_script.extend([None, CORRUPT])  # the second one arrives damaged once
+    puller.start(sup)
+    got = {}
+
+    def both():
+        got.update(puller.take())
+        return set(got) == {0, 1}
+
+    wait_until(both, 10, "both fragments")
+    assert asked == [2]
+    assert outer.pull_requests[2:] == [(0, 0), (1, 0), (1, 0)]
+    assert outer.pull_paces_ms[2:] == [200, 200, 0]
+    assert not sup.failed.is_set()

@@ -136,6 +136,10 @@ def problems(cfg: RunConfig) -> list[str]:
             # learner", which --quorum M says; more than M is a slip, not a choice
             out.append(f"--quorum ({cfg.outer.quorum}) must be at most --learners ({cfg.learners}): "
                        f"a merge waits for at most every live learner, which is --quorum {cfg.learners}")
+        if cfg.learner.pace_transfers and cfg.learner.sync:
+            # synchronous learners wait for every merge: a paced transfer is time they stand idle
+            out.append("--pace-transfers cannot be used with --sync: synchronous learners wait for every merge, "
+                       "so a paced transfer is time they stand idle")
         if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
             out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
                        f"({cfg.heartbeat_interval_s})")

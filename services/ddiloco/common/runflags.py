@@ -76,6 +76,9 @@ def add_run_flags(parser: argparse.ArgumentParser, only: frozenset[str] | None =
         help="warm start: the global model starts from this run folder, checkpoint folder or `ddiloco export` file")
     add("--no-align-windows", action="store_true", default=None,
         help="learners keep windows of exactly H steps (no phase alignment with their peers)")
+    add("--pace-transfers", action="store_true", default=None,
+        help="learners spread each upload and download over most of a fragment slot (H/P steps) instead of "
+             "bursts at link speed (asynchronous mode)")
     defaults = RunConfig()
     for flag, dest, typ, help_ in _FLAGS:
         metavar = flag.lstrip("-").replace("-", "_").upper()
@@ -111,6 +114,8 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         cfg.learner.dynamic_local_updates = True
     if getattr(args, "no_align_windows", None):
         cfg.learner.align_windows = False
+    if getattr(args, "pace_transfers", None):
+        cfg.learner.pace_transfers = True
     if args.naive_merge:
         cfg.outer.work_clock = False
     for _, dest, _, _ in _FLAGS:
@@ -173,7 +178,7 @@ def _check_workload(cfg: RunConfig) -> None:
 def _with_absent_flags(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with every run flag a parser did not define (``add_run_flags(only=...)``) as
     not given (None)."""
-    names = ["config", "model", "workload_args", "sync", "naive_merge", "dynamic_local_updates", "init_from", "no_align_windows"]
+    names = ["config", "model", "workload_args", "sync", "naive_merge", "dynamic_local_updates", "init_from", "no_align_windows", "pace_transfers"]
     names += ["cfg_" + dest.replace(".", "__") for _, dest, _, _ in _FLAGS]
     return argparse.Namespace(**{**{n: None for n in names}, **vars(args)})
 
@@ -210,6 +215,8 @@ def forward_run_flags(args: argparse.Namespace) -> list[str]:
         out += ["--dynamic-local-updates"]
     if getattr(args, "no_align_windows", None):
         out += ["--no-align-windows"]
+    if getattr(args, "pace_transfers", None):
+        out += ["--pace-transfers"]
     if args.naive_merge:
         out += ["--naive-merge"]
     if getattr(args, "init_from", None) is not None:

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 
 from ddiloco.common import codec, errors
+from ddiloco.common.paced import Pace, chunk_bytes_for
 from ddiloco.common.rpc import TRANSIENT, channel
 from ddiloco.common.wire import (
     OUTER_SERVICE,
@@ -111,10 +112,13 @@ class OuterClient:
         compute_seconds: float = 0.0,
         more_queued: bool = False,
         resume: bool = False,
+        pace: Pace | None = None,
     ) -> outer_pb2.PushDeltaResponse:
         """Upload one delta. ``resume`` (a retry of the same delta): first ask how much of an
         earlier, broken attempt the server holds, and send only the rest. ``more_queued``:
-        another upload of this fragment follows at once (``DeltaHeader.more_queued``)."""
+        another upload of this fragment follows at once (``DeltaHeader.more_queued``).
+        ``pace``: spread the upload over its span (``ddiloco.common.paced``); a resumed
+        upload is never paced (it is late already)."""
         header = outer_pb2.DeltaHeader(
             run_id=self.run_id,
             learner_id=self.learner_id,
@@ -136,7 +140,7 @@ class OuterClient:
                 if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
                     raise
                 # the server let go of that part meanwhile (restart, eviction): all of it, then
-        return self.push_payload(header, enc.payload, timeout)
+        return self.push_payload(header, enc.payload, timeout, pace=None if resume else pace)
 
     @_open
     def upload_offset(self, header: outer_pb2.DeltaHeader, payload_bytes: int, timeout: float) -> int:
@@ -151,29 +155,33 @@ class OuterClient:
 
     @_open
     def push_payload(
-        self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0
+        self, header: outer_pb2.DeltaHeader, payload, timeout: float, offset: int = 0, pace: Pace | None = None
     ) -> outer_pb2.PushDeltaResponse:
         """Stream ``payload`` from byte ``offset`` on under ``header`` (whose PayloadInfo
-        describes all of it)."""
+        describes all of it), paced by ``pace`` (over the bytes sent) if given."""
         header.offset = offset
         rest = memoryview(payload)[offset:]
-        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes), timeout=timeout)
+        chunk = chunk_bytes_for(len(rest), pace.seconds, self.chunk_bytes) if pace is not None else self.chunk_bytes
+        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, chunk, before=pace), timeout=timeout)
 
     @_open
-    def pull_payload(self, fragment: int, have_version: int, timeout: float) -> tuple[outer_pb2.GlobalHeader, memoryview]:
+    def pull_payload(
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0
+    ) -> tuple[outer_pb2.GlobalHeader, memoryview]:
         """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
-        that is not one."""
+        that is not one. ``pace_s``: ask the server to spread it over that many seconds."""
         stream = self._pull(
             outer_pb2.PullGlobalRequest(
-                run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment
+                run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment,
+                pace_ms=int(pace_s * 1000),
             ),
             timeout=timeout,
         )
         return reassemble(stream, 1 << 34, "global parameters")
 
-    def pull(self, fragment: int, have_version: int, timeout: float) -> GlobalParams:
+    def pull(self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0) -> GlobalParams:
         try:
-            header, payload = self.pull_payload(fragment, have_version, timeout)
+            header, payload = self.pull_payload(fragment, have_version, timeout, pace_s)
             arrays = decode_payload(header.payload, payload)
         except errors.Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc

@@ -126,16 +126,22 @@ def serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def stream_frames(message_cls, header, payload, chunk_bytes: int) -> Iterator:
+def stream_frames(message_cls, header, payload, chunk_bytes: int, before: Callable[[int], None] | None = None) -> Iterator:
     """As ``stream_messages``, with the data-only chunks as ready frames (see the module
-    docstring); for a stub or handler whose serializer is ``serialize``."""
+    docstring); for a stub or handler whose serializer is ``serialize``. ``before(offset)``
+    is called before each chunk goes, with the byte offset it starts at (a
+    ``ddiloco.common.paced.Pace`` holds it back until it is due)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk size must be positive")
     if header.ByteSize() > MAX_HEADER_BYTES:  # else the peer's channel refuses the first message
         raise ValueError(f"a stream header of {header.ByteSize()} bytes is over the {MAX_HEADER_BYTES} a message leaves it")
     view = memoryview(payload)
+    if before is not None:
+        before(0)
     yield message_cls(header=header, data=bytes(view[:chunk_bytes]))
     for i in range(chunk_bytes, len(view), chunk_bytes):
+        if before is not None:
+            before(i)
         yield data_frame(view[i : i + chunk_bytes])
 
 

@@ -108,8 +108,12 @@ class Puller:
         backoff_max_s: float = 2.0,
         uploads_of: Callable[[int], int] | None = None,
         wait: Callable[[threading.Event, float], bool] | None = None,
+        pace: Callable[[int], float] | None = None,
     ) -> None:
         self.client_factory = client_factory
+        # pace(n): seconds to spread each of n downloads due together over (learner/pace.py);
+        # the loop's downloads only: the start-up copy is wanted at once
+        self.pace = pace
         # how a retry waits: ``wait(event, seconds)`` is True if the event was set meanwhile
         self.wait = wait or (lambda event, seconds: event.wait(seconds))
         # deltas of a fragment this learner has sent; None: no bound (a puller on its own)
@@ -195,19 +199,23 @@ class Puller:
         return out
 
     def _pull(
-        self, client: OuterClient, fragment: int, merged_mine: int, timeout: float, stop: threading.Event | None = None
+        self, client: OuterClient, fragment: int, merged_mine: int, timeout: float, stop: threading.Event | None = None,
+        pace_s: float = 0.0,
     ) -> FragmentCopy:
         """Download one fragment into its copy, retrying what a new download can repair and
-        waiting out the rate limit."""
+        waiting out the rate limit. ``pace_s``: the first attempt's span (a retry is late
+        already and goes at link speed)."""
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         full = False  # after a mismatch, ask for the whole fragment
         failures = 0
         limited = 0  # rate-limit refusals in a row
         while True:
             try:
-                got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout)
+                got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout + pace_s,
+                                  pace_s=pace_s)
                 return self._apply(got, merged_mine)
             except grpc.RpcError as exc:
+                pace_s = 0.0
                 hint = retry_after(exc.details()) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
                 if hint is not None:
                     limited += 1
@@ -218,6 +226,7 @@ class Puller:
                 failures += 1
                 reason = f"{exc.code().name}: {exc.details()}"
             except (CorruptDownload, CopyMismatch) as exc:
+                pace_s = 0.0
                 failures += 1
                 reason = str(exc)
                 full = full or isinstance(exc, CopyMismatch)
@@ -256,10 +265,13 @@ class Puller:
                 # base is what asynchrony costs in quality (docs/algorithm.md, the laboratory)
                 status = client.status(wait_newer_than=seen, wait_s=LONG_POLL_S)
                 changed, seen = status.version != seen, status.version
-                for fragment in self._wanted(status):
+                wanted = self._wanted(status)
+                # downloads due together share one span: a catch-up is not stretched further
+                pace_s = self.pace(len(wanted)) if self.pace is not None and wanted else 0.0
+                for fragment in wanted:
                     before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
-                    copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300)
+                    copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300, pace_s=pace_s)
                     self.downloads[fragment] += 1
                     if before >= 0 and copy.merged_mine > before:
                         copy.lead_s = self._lead(status, fragment)

@@ -37,14 +37,16 @@ class ShardedUploader:
         metrics: MetricsLog,
         last_seqs: list[int],
         learner_id: int = -1,
+        pace: Callable[[int], float] | None = None,
     ) -> None:
-        """``last_seqs[i]``: the last sequence number shard i accepted from this learner (0: none)."""
+        """``last_seqs[i]``: the last sequence number shard i accepted from this learner (0:
+        none); ``pace`` as for ``Uploader``, per shard (each shard's link is its own)."""
         if len(last_seqs) < 2:
             raise ValueError(f"a sharded uploader needs two or more shards, got {len(last_seqs)}")
         self.shards = len(last_seqs)
         self.parts = [
             Uploader(cfg, (lambda i=i: client_factory().clients[i]), stats, metrics, next_seq(i, self.shards, last),
-                     learner_id, seq_step=self.shards)
+                     learner_id, seq_step=self.shards, pace=pace)
             for i, last in enumerate(last_seqs)
         ]
 

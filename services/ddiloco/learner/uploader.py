@@ -56,6 +56,7 @@ import numpy as np
 from ddiloco.common import codec
 from ddiloco.common.config import LearnerConfig
 from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.paced import Pace
 from ddiloco.common.rpc import AMBIGUOUS, TRANSIENT, Backoff, call_with_retry
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.stats import Stats
@@ -100,9 +101,12 @@ class Uploader:
         learner_id: int = -1,
         on_ack: Callable[[int, int], None] | None = None,
         seq_step: int = 1,
+        pace: Callable[[int], float] | None = None,
     ) -> None:
         """``seq_step``: how far apart this uploader's sequence numbers are (1; S for the
-        uploader of one of S outer shards, ``shard_uploader.py``)."""
+        uploader of one of S outer shards, ``shard_uploader.py``). ``pace(n)``: the seconds
+        to spread each of n uploads due together over (``ddiloco.learner.pace``); None or 0:
+        at link speed."""
         self.cfg = cfg
         self.client_factory = client_factory
         self.stats = stats
@@ -111,6 +115,7 @@ class Uploader:
         self.seq_step = seq_step
         self.on_ack = on_ack
         self.learner_id = learner_id
+        self.pace = pace
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
         self.max_windows = max(1, cfg.max_coalesce_windows)
         self.max_steps = cfg.max_delta_steps()  # what the outer optimizer admits
@@ -258,6 +263,9 @@ class Uploader:
             if self.stop_event.is_set():
                 return
             client = self.client_factory()
+            # the first attempt only: a retry is late already, and what is queued behind this
+            # delta shares its span (the backlog is caught up within it, not stretched further)
+            pace = self._pace(len(enc.payload)) if not failures else None
             try:
                 resp = client.push(
                     enc,
@@ -269,8 +277,10 @@ class Uploader:
                     fragment=window.fragment,
                     compute_seconds=window.compute_seconds,
                     more_queued=self._more_queued(window.fragment),
-                    timeout=60 + len(enc.payload) / 1e5,  # generous for slow links: 100 kB/s floor
+                    # generous for slow links (a 100 kB/s floor), plus the span of a paced upload
+                    timeout=60 + len(enc.payload) / 1e5 + (pace.seconds if pace else 0.0),
                     resume=bool(failures),  # a retry sends only what a broken attempt did not deliver
+                    pace=pace,
                 )
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details()
@@ -288,8 +298,17 @@ class Uploader:
                     log.info("upload seq %d: %s (%s); retrying, attempt %d", seq, code.name, details, failures[code])
                 backoff.wait(self.retry_now)
                 continue
-            self._acked(seq, window, enc, duplicate=False, version=resp.global_version)
+            self._acked(seq, window, enc, duplicate=False, version=resp.global_version, paced_s=pace.waited if pace else 0.0)
             return
+
+    def _pace(self, nbytes: int) -> Pace | None:
+        """The pace of the upload starting now, or None to send at link speed."""
+        if self.pace is None:
+            return None
+        with self.cond:
+            due = 1 + len(self.queue)
+        seconds = self.pace(due)
+        return Pace(nbytes, seconds, wait=self.stop_event.wait) if seconds > 0 else None
 
     def _check_retry(self, seq: int, window: Window, code: grpc.StatusCode, details: str, count: int) -> None:
         """Return if this failure is worth another attempt; raise LearnerFailure if not."""
@@ -336,7 +355,9 @@ class Uploader:
             tokens=window.tokens, compute_seconds=round(window.compute_seconds, 4),
         )
 
-    def _acked(self, seq: int, window: Window, enc: codec.Encoded, duplicate: bool, version: int = -1) -> None:
+    def _acked(
+        self, seq: int, window: Window, enc: codec.Encoded, duplicate: bool, version: int = -1, paced_s: float = 0.0
+    ) -> None:
         self.stats.add(deltas_acked=1, bytes_uploaded=len(enc.payload))
         self.metrics.event(
             "upload_acked",
@@ -350,6 +371,7 @@ class Uploader:
             bytes=len(enc.payload),
             raw_bytes=enc.raw_bytes,
             duplicate=duplicate,
+            paced_s=round(paced_s, 3),  # seconds pacing held the upload's chunks back
         )
         if self.on_ack:
             self.on_ack(seq, version)

@@ -56,6 +56,7 @@ from ddiloco.common.shard_client import ShardedOuterClient
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.group import Group, Solo, strided
+from ddiloco.learner.pace import TransferPace
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
@@ -335,11 +336,14 @@ class Learner:
             self.params, lr=lcfg.lr, weight_decay=lcfg.weight_decay, betas=(0.9, 0.95)
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
+        self.transfer_pace = TransferPace(cfg, self.inner_steps)
+        pace = self.transfer_pace.seconds if self.transfer_pace.enabled else None
         self.puller = Puller(
             self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
             self.stats, self.metrics,
             # the uploader exists by the time the puller's loop runs (it starts after both are made)
             uploads_of=lambda f: self.uploader.sent_of(f),
+            pace=pace,
         )
         # each outer shard's own status: its sequence numbers are its own (learner/shard_uploader.py)
         statuses = call_with_retry(self._shard_statuses, what="outer status", max_elapsed=300, stop=self.drain)
@@ -365,10 +369,10 @@ class Learner:
         self.model.train()
         if len(last_seqs) == 1:
             self.uploader: Uploader | ShardedUploader = Uploader(
-                lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id
+                lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id, pace=pace
             )
         else:
-            self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id)
+            self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id, pace=pace)
         first = [u.next_seq for u in getattr(self.uploader, "parts", [self.uploader])]
         self.metrics.event(
             "learner_start",
@@ -433,6 +437,7 @@ class Learner:
             t0 = time.perf_counter()
             step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
             last = t0
+            self.transfer_pace.observe_step(step_wall)
             self.group.before_step(resend)
             resend.clear()
             batch = to_device(next(self.batches), self.device)

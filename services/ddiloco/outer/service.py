@@ -23,6 +23,7 @@ from ddiloco.common import auth, codec, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
+from ddiloco.common.paced import Pace, chunk_bytes_for, max_pace_seconds
 from ddiloco.common.ratelimit import RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
@@ -33,6 +34,7 @@ from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.evaluator import Evaluator
 from ddiloco.outer.gather import FragmentGather
 from ddiloco.outer.known_learners import KnownLearners
+from ddiloco.outer.paced_downloads import PacedDownloads
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.status import OuterStatus
@@ -156,6 +158,10 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         rate = service.config.outer.learner_calls_per_s
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
         self.waiting = threading.BoundedSemaphore(max_waiting_polls(service.config.learners))
+        self.paced = PacedDownloads()
+        cfg = service.config
+        # the longest span a download may be paced over (common/paced.max_pace_seconds)
+        self.max_pace_ms = int(max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s) * 1000)
 
     def _authorize(self, context, method: str, learner_id: int | None = None):
         with refusals_as_status(context):
@@ -236,6 +242,12 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullGlobalRequest.run_id is missing")
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
+        if request.pace_ms > self.max_pace_ms:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pace_ms={request.pace_ms} is above {self.max_pace_ms}: one fragment slot (H/P steps) "
+                "at the slowest step the run admits (a lease)",
+            )
         with refusals_as_status(context):
             svc.state.fragment(request.fragment)  # not a fragment of the run, or of this shard
             # a download view holds a full fragment copy: only for learners the run has
@@ -248,8 +260,23 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         )
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
-        yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
-        # the download is part of what a grace window must leave time for (outer/timing.py)
+        token = self.paced.claim(request.learner_id) if request.pace_ms else None
+        if token is None:
+            yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
+        else:
+            # the claim ends with the call whatever ends it (a cancelled stream's generator
+            # may be closed late, by the garbage collector)
+            ended = threading.Event()
+            context.add_callback(ended.set)
+            context.add_callback(lambda: self.paced.release(request.learner_id, token))
+            try:
+                pace = Pace(len(enc.payload), request.pace_ms / 1000, wait=ended.wait)
+                chunk = chunk_bytes_for(len(enc.payload), pace.seconds, svc.config.learner.chunk_bytes)
+                yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, chunk, before=pace)
+            finally:
+                self.paced.release(request.learner_id, token)
+        # the download is part of what a grace window must leave time for (outer/timing.py);
+        # a paced one takes its span, and the merged version reaches the learner that much later
         svc.timing.observe_pull(time.monotonic() - t0)
 
     def GetStatus(self, request, context):
