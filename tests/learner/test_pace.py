@@ -1,6 +1,10 @@
 """How long a learner paces each transfer (learner/pace.py), against the closed form
-FRACTION x min(H / P, OVERLAP_SHARE x tau) x step / transfers due together, bounded by what
-the outer optimizer admits; and never when pacing is off, in synchronous mode, or before a step."""
+
+    span = (bytes / mean bytes) / (HEADROOM x windows per second)
+
+over the learner's last windows, capped by a quarter of the overlap and by what the outer
+optimizer admits; never when pacing is off, in synchronous mode, before there is a rate,
+or for a backlog. The clock is injected: nothing here waits."""
 
 from __future__ import annotations
 
@@ -8,7 +12,15 @@ import pytest
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.paced import max_pace_seconds
-from ddiloco.learner.pace import FRACTION, OVERLAP_SHARE, TransferPace
+from ddiloco.learner.pace import BACKLOG, HEADROOM, KEEP, MIN_WINDOWS, OVERLAP_SHARE, TransferPace
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def config(h: int = 25, p: int = 8, tau: int = 0, on: bool = True, sync: bool = False) -> RunConfig:
@@ -18,39 +30,77 @@ def config(h: int = 25, p: int = 8, tau: int = 0, on: bool = True, sync: bool = 
     return cfg
 
 
-def test_with_fragments_a_transfer_spans_most_of_a_slot():
-    pace = TransferPace(config(h=25, p=8), 25)
-    pace.observe_step(1.8)
-    assert pace.seconds() == pytest.approx(0.8 * 25 / 8 * 1.8)
-    assert FRACTION == 0.8
+def paced(cfg: RunConfig, interval: float, windows: int = KEEP, h: int | None = None) -> TransferPace:
+    """A pace whose learner ended ``windows`` windows ``interval`` seconds apart."""
+    clock = Clock()
+    pace = TransferPace(cfg, h or cfg.learner.inner_steps, clock=clock)
+    for _ in range(windows):
+        pace.window_ended()
+        clock.now += interval
+    return pace
 
 
-def test_transfers_due_together_share_the_span():
-    pace = TransferPace(config(h=25, p=8), 25)
-    pace.observe_step(1.8)
-    assert pace.seconds(3) == pytest.approx(0.8 * 25 / 8 * 1.8 / 3)
+def test_a_transfer_of_average_size_takes_the_mean_interval_over_the_headroom():
+    pace = paced(config(), interval=1.2)
+    assert pace.window_rate() == pytest.approx(1 / 1.2)
+    assert pace.download_span() == pytest.approx(1.2 / HEADROOM)
+    assert pace.upload_span(100_000) == pytest.approx(1.2 / HEADROOM)  # the first upload is the mean
+    assert HEADROOM == 1.25
 
 
-def test_without_fragments_the_overlap_bounds_the_span():
-    # P = 1: the slot is the whole window; a quarter of tau (H = 20 by default) is less
-    pace = TransferPace(config(h=20, p=1), 20)
-    pace.observe_step(0.5)
-    assert pace.seconds() == pytest.approx(FRACTION * OVERLAP_SHARE * 20 * 0.5)
-    short_overlap = TransferPace(config(h=20, p=2, tau=8), 20)
-    short_overlap.observe_step(0.5)
-    assert short_overlap.seconds() == pytest.approx(FRACTION * OVERLAP_SHARE * 8 * 0.5)
+def test_an_upload_larger_than_the_mean_gets_a_longer_span_at_the_same_rate():
+    pace = paced(config(), interval=1.0)
+    for _ in range(4):
+        pace.upload_span(100_000)
+    assert pace.upload_span(150_000) == pytest.approx(1.5 / HEADROOM)
+
+
+def test_the_rate_follows_the_last_windows_only():
+    clock = Clock()
+    pace = TransferPace(config(), 25, clock=clock)
+    for _ in range(KEEP):
+        pace.window_ended()
+        clock.now += 5.0  # slow at first
+    for _ in range(KEEP):
+        pace.window_ended()
+        clock.now += 1.0  # then fast
+    assert pace.window_rate() == pytest.approx(1.0)
+
+
+def test_windows_ending_together_do_not_make_a_rate_of_their_own():
+    # phase alignment can end two fragments' windows on the same step: the rate is taken
+    # over the span of the last windows, so a pair at one instant counts as two windows
+    clock = Clock()
+    pace = TransferPace(config(), 25, clock=clock)
+    for _ in range(KEEP // 2):
+        pace.window_ended()
+        pace.window_ended()
+        clock.now += 2.0
+    assert pace.window_rate() == pytest.approx((KEEP - 1) / (2.0 * (KEEP // 2 - 1)))
+
+
+def test_without_fragments_a_quarter_of_the_overlap_bounds_the_span():
+    # P = 1, tau = H: one window per overlap; a quarter of it is less than 1 / HEADROOM
+    pace = paced(config(h=20, p=1), interval=8.0)
+    assert pace.download_span() == pytest.approx(OVERLAP_SHARE * 8.0)
+    short = paced(config(h=20, p=4, tau=4), interval=2.0)  # tau is a fifth of H: 0.8 windows of the rate
+    assert short.download_span() == pytest.approx(OVERLAP_SHARE * 4 / 20 * 4 * 2.0)
 
 
 def test_the_span_never_exceeds_what_the_outer_optimizer_admits():
     cfg = config(h=25, p=8)
-    pace = TransferPace(cfg, 25)
-    pace.observe_step(60.0)  # a stalled step (longer than the lease)
-    assert pace.seconds() == pytest.approx(max_pace_seconds(25, 8, cfg.lease_timeout_s))
+    pace = paced(cfg, interval=100.0)  # windows far apart (a stalled learner)
+    assert pace.download_span() == pytest.approx(max_pace_seconds(25, 8, cfg.lease_timeout_s))
 
 
-@pytest.mark.parametrize("on,sync,step", [(False, False, 1.0), (True, True, 1.0), (True, False, 0.0)])
-def test_no_pacing_when_off_synchronous_or_before_the_first_step(on, sync, step):
-    pace = TransferPace(config(on=on, sync=sync), 25)
-    if step:
-        pace.observe_step(step)
-    assert pace.seconds() == 0.0
+def test_a_backlog_goes_at_link_speed():
+    pace = paced(config(), interval=1.0)
+    assert pace.download_span(due=BACKLOG) > 0 and pace.upload_span(10, due=BACKLOG) > 0
+    assert pace.download_span(due=BACKLOG + 1) == 0.0
+    assert pace.upload_span(10, due=BACKLOG + 1) == 0.0
+
+
+@pytest.mark.parametrize("on,sync,windows", [(False, False, KEEP), (True, True, KEEP), (True, False, MIN_WINDOWS - 1)])
+def test_no_pacing_when_off_synchronous_or_before_there_is_a_rate(on, sync, windows):
+    pace = paced(config(on=on, sync=sync), interval=1.0, windows=windows)
+    assert pace.download_span() == 0.0 and pace.upload_span(1000) == 0.0

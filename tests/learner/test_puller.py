@@ -160,7 +160,7 @@ def test_a_fragment_is_downloaded_at_most_once_per_delta_of_it_sent(tmp_path):
     assert puller._wanted(own_merged) == [1]
 
 
-def test_paced_downloads_due_together_share_one_span_and_a_retry_is_not_paced(rig):  # noqa: F811
+def test_each_paced_download_asks_its_own_span_and_a_retry_is_not_paced(rig):  # noqa: F811
     with FakeOuter([[("w", np.zeros(8, np.float32))], [("w", np.zeros(8, np.float32))]]) as outer:
         _paced_downloads(outer, rig)
 
@@ -168,9 +168,9 @@ def test_paced_downloads_due_together_share_one_span_and_a_retry_is_not_paced(ri
 def _paced_downloads(outer, rig):  # noqa: F811
     asked = []
 
-    def pace(n: int) -> float:
-        asked.append(n)
-        return 0.4 / n
+    def pace(due: int) -> float:
+        asked.append(due)
+        return 0.2
 
     puller, sup = rig.puller(outer, fragments=2, pace=pace)
     puller.pull_all(timeout=10)
@@ -189,7 +189,7 @@ def _paced_downloads(outer, rig):  # noqa: F811
         return set(got) == {0, 1}
 
     wait_until(both, 10, "both fragments")
-    assert asked == [2]
+    assert asked == [2, 1]  # two due, then the one left
     assert outer.pull_requests[2:] == [(0, 0), (1, 0), (1, 0)]
     assert outer.pull_paces_ms[2:] == [200, 200, 0]
     assert not sup.failed.is_set()

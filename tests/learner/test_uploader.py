@@ -238,18 +238,19 @@ def test_stopping_ends_a_retry_backoff_at_once(outer, rig):  # noqa: F811
     assert outer.accepted == [] and len(outer.push_attempts) == 1
 
 
-def test_a_paced_upload_spans_its_share_and_a_retry_goes_at_link_speed(outer, rig):  # noqa: F811
+def test_a_paced_upload_asks_its_span_once_and_a_retry_goes_at_link_speed(outer, rig):  # noqa: F811
     outer.push_script.append(S.UNAVAILABLE)  # the first attempt fails, the retry succeeds
     asked = []
 
-    def pace(n: int) -> float:
-        asked.append(n)
-        return 0.25 / n
+    def pace(nbytes: int, due: int) -> float:
+        asked.append((nbytes, due))
+        return 0.25
 
     up, sup = rig.uploader(outer, pace=pace)
     up.submit(window(2.0))
     assert up.flush(10)
     assert not sup.failed.is_set(), sup.failure
-    assert asked == [1]  # the first attempt only
+    assert [due for _, due in asked] == [1]  # the first attempt only, nothing queued behind it
+    assert asked[0][0] > 0  # the payload's bytes
     assert [a.seq for a in outer.accepted] == [1]
     np.testing.assert_array_equal(outer.accepted[0].arrays[0][1], np.full(8, 2.0, np.float32))

@@ -1,52 +1,102 @@
 """How long a learner spreads each transfer over when the run paces them (``--pace-transfers``).
 
-With P fragments a learner uploads one fragment's delta and downloads one merged fragment
-about every H/P steps (one slot). Paced, each transfer takes
+A rate shaper, per direction: each transfer is spread over
 
-    FRACTION x min(H / P, OVERLAP_SHARE x tau) x step
+    span = (its bytes / the direction's mean transfer bytes) / (HEADROOM x window rate)
 
-seconds, ``step`` the learner's running wall seconds per step, divided among the transfers
-due together (a backlog is caught up within the same span, not stretched further), and at
-most ``ddiloco.common.paced.max_pace_seconds`` (what the outer optimizer admits).
+seconds, ``window rate`` the learner's windows ended per second over its last ``KEEP``
+windows (all fragments). A learner sends one upload per window and downloads at most one
+change per upload, so that rate is each direction's rate of transfers, and a transfer of
+average size takes ``1 / HEADROOM`` of the mean interval between two. Uploads go one after
+another on one thread, and so do downloads, so a direction never carries more than
+``HEADROOM`` times its average rate, whatever the pattern of window ends: two windows that
+end together (phase alignment lengthens windows, and a fragment's window may then end on
+the same step as the next one's) leave one after the other, each over its own span, instead
+of doubling the rate for one. Measured on steps instead (``0.8 x H/P x step`` per transfer),
+the span followed every swing of the step time, and transfers due together shared one span:
+peak/average 1.77 where this rule is built to stay under 1.5 (docs/wan.md).
 
-* ``FRACTION`` < 1 leaves a fifth of the slot free, so that a transfer ends before the next
-  one of the same direction starts even when steps vary: transfers never queue behind
-  pacing. At 0.8 a one-second window sees at most about 1 / 0.8 = 1.25 times the average.
-* ``OVERLAP_SHARE`` bounds pacing by the overlap tau (default H): the merged version must
-  reach the learner within tau steps of its upload, and an upload and a download each
-  paced over at most a quarter of tau leave at least half of it to the grace window and
-  the merge. With fragments (P >= 4) the slot is the smaller bound; with P = 1 the quarter
-  of tau is, and pacing then spreads a window's transfers over a fifth of it.
+Bounds:
 
-Before the learner's first step, and when pacing is off, every transfer goes at link speed.
+* ``HEADROOM`` 1.25: the link at most 1.25 times the average, so within the 1.5 the
+  bandwidth bench holds it to with room for one-second windows that catch the ends of two
+  transfers; and a transfer takes 0.8 of the mean interval, so the queue of a direction
+  drains between bursts.
+* The overlap: a span is at most ``OVERLAP_SHARE`` of the overlap tau (default H), in
+  seconds at the learner's rate (tau / H windows of each fragment, P fragments per window
+  rate). The merged version must reach the learner within tau steps of its upload; an
+  upload and a download each taking at most a quarter leave half of it to the grace window
+  and the merge. With fragments (P >= 4) the headroom rule is the smaller; with P = 1 this is.
+* A backlog is not paced: with more than ``BACKLOG`` transfers of a direction due (the
+  link or the outer optimizer was away), they go at link speed, so pacing never adds to a
+  delay that is already there. Retries and the start-up download are not paced either.
+* At most ``ddiloco.common.paced.max_pace_seconds``, what the outer optimizer admits.
+
+Until the learner has ended ``MIN_WINDOWS`` windows there is no rate to pace to, and
+transfers go at link speed. Everything here reads an injected clock.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
+from typing import Callable
+
 from ddiloco.common.config import RunConfig
 from ddiloco.common.paced import max_pace_seconds
 
-FRACTION = 0.8
+HEADROOM = 1.25
 OVERLAP_SHARE = 0.25
+KEEP = 16  # window ends (and upload sizes) the rates are taken over
+MIN_WINDOWS = 4
+BACKLOG = 2
 
 
 class TransferPace:
-    def __init__(self, cfg: RunConfig, inner_steps: int) -> None:
+    def __init__(self, cfg: RunConfig, inner_steps: int, clock: Callable[[], float] = time.monotonic) -> None:
         """``inner_steps``: this learner's H (a per-learner override of the run's)."""
         self.enabled = cfg.learner.pace_transfers and not cfg.learner.sync
+        self.clock = clock
         tau = cfg.outer.overlap_steps or inner_steps
-        self.steps = FRACTION * min(inner_steps / max(1, cfg.fragments), OVERLAP_SHARE * tau)
+        # the overlap in windows of the window rate: tau / H windows of each of P fragments
+        self.overlap_windows = tau / inner_steps * max(1, cfg.fragments)
         # the outer optimizer's bound is the run's, whatever this learner's own H
         self.limit_s = max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s)
-        self.step_s = 0.0
+        self._lock = threading.Lock()
+        self._ends: collections.deque[float] = collections.deque(maxlen=KEEP)
+        self._upload_bytes: collections.deque[int] = collections.deque(maxlen=KEEP)
 
-    def observe_step(self, seconds: float) -> None:
-        """The learner's running wall seconds per step (read by the transfer threads: one
-        float, no lock needed)."""
-        self.step_s = seconds
+    def window_ended(self) -> None:
+        """Called by the training loop at each window's end (each fragment's)."""
+        with self._lock:
+            self._ends.append(self.clock())
 
-    def seconds(self, transfers: int = 1) -> float:
-        """The span of each of ``transfers`` transfers due now together (0: not paced)."""
-        if not self.enabled or self.step_s <= 0:
+    def window_rate(self) -> float:
+        """Windows ended per second over the last ``KEEP`` (0: not known yet)."""
+        with self._lock:
+            ends = list(self._ends)
+        if len(ends) < MIN_WINDOWS or ends[-1] <= ends[0]:
             return 0.0
-        return min(self.limit_s, self.steps * self.step_s) / max(1, transfers)
+        return (len(ends) - 1) / (ends[-1] - ends[0])
+
+    def upload_span(self, nbytes: int, due: int = 1) -> float:
+        """Seconds to spread an upload of ``nbytes`` over, with ``due`` uploads waiting
+        (this one included); 0: at link speed. Records its size for the mean."""
+        with self._lock:
+            mean = sum(self._upload_bytes) / len(self._upload_bytes) if self._upload_bytes else nbytes
+            self._upload_bytes.append(nbytes)
+        return self._span(nbytes / mean if mean > 0 else 1.0, due)
+
+    def download_span(self, due: int = 1) -> float:
+        """Seconds to spread the next download over, ``due`` downloads wanted (this one
+        included); 0: at link speed. Downloads of a run are all about one size (each
+        fragment's change, quantized like an upload), so each gets the mean span."""
+        return self._span(1.0, due)
+
+    def _span(self, size_share: float, due: int) -> float:
+        rate = self.window_rate()
+        if not self.enabled or rate <= 0 or due > BACKLOG:
+            return 0.0
+        span = size_share / (HEADROOM * rate)
+        return min(span, OVERLAP_SHARE * self.overlap_windows / rate, self.limit_s)

@@ -111,8 +111,8 @@ class Puller:
         pace: Callable[[int], float] | None = None,
     ) -> None:
         self.client_factory = client_factory
-        # pace(n): seconds to spread each of n downloads due together over (learner/pace.py);
-        # the loop's downloads only: the start-up copy is wanted at once
+        # pace(due): seconds to spread the next download over with ``due`` wanted, it included
+        # (learner/pace.py); the loop's downloads only: the start-up copy is wanted at once
         self.pace = pace
         # how a retry waits: ``wait(event, seconds)`` is True if the event was set meanwhile
         self.wait = wait or (lambda event, seconds: event.wait(seconds))
@@ -266,9 +266,8 @@ class Puller:
                 status = client.status(wait_newer_than=seen, wait_s=LONG_POLL_S)
                 changed, seen = status.version != seen, status.version
                 wanted = self._wanted(status)
-                # downloads due together share one span: a catch-up is not stretched further
-                pace_s = self.pace(len(wanted)) if self.pace is not None and wanted else 0.0
-                for fragment in wanted:
+                for i, fragment in enumerate(wanted):
+                    pace_s = self.pace(len(wanted) - i) if self.pace is not None else 0.0
                     before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
                     copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300, pace_s=pace_s)

@@ -101,12 +101,12 @@ class Uploader:
         learner_id: int = -1,
         on_ack: Callable[[int, int], None] | None = None,
         seq_step: int = 1,
-        pace: Callable[[int], float] | None = None,
+        pace: Callable[[int, int], float] | None = None,
     ) -> None:
         """``seq_step``: how far apart this uploader's sequence numbers are (1; S for the
-        uploader of one of S outer shards, ``shard_uploader.py``). ``pace(n)``: the seconds
-        to spread each of n uploads due together over (``ddiloco.learner.pace``); None or 0:
-        at link speed."""
+        uploader of one of S outer shards, ``shard_uploader.py``). ``pace(nbytes, due)``:
+        the seconds to spread an upload of ``nbytes`` over with ``due`` uploads waiting, this
+        one included (``ddiloco.learner.pace``); None or 0: at link speed."""
         self.cfg = cfg
         self.client_factory = client_factory
         self.stats = stats
@@ -263,8 +263,7 @@ class Uploader:
             if self.stop_event.is_set():
                 return
             client = self.client_factory()
-            # the first attempt only: a retry is late already, and what is queued behind this
-            # delta shares its span (the backlog is caught up within it, not stretched further)
+            # the first attempt only: a retry is late already
             pace = self._pace(len(enc.payload)) if not failures else None
             try:
                 resp = client.push(
@@ -307,7 +306,7 @@ class Uploader:
             return None
         with self.cond:
             due = 1 + len(self.queue)
-        seconds = self.pace(due)
+        seconds = self.pace(nbytes, due)
         return Pace(nbytes, seconds, wait=self.stop_event.wait) if seconds > 0 else None
 
     def _check_retry(self, seq: int, window: Window, code: grpc.StatusCode, details: str, count: int) -> None:

@@ -337,13 +337,13 @@ class Learner:
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
         self.transfer_pace = TransferPace(cfg, self.inner_steps)
-        pace = self.transfer_pace.seconds if self.transfer_pace.enabled else None
+        paced = self.transfer_pace.enabled
         self.puller = Puller(
             self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
             self.stats, self.metrics,
             # the uploader exists by the time the puller's loop runs (it starts after both are made)
             uploads_of=lambda f: self.uploader.sent_of(f),
-            pace=pace,
+            pace=self.transfer_pace.download_span if paced else None,
         )
         # each outer shard's own status: its sequence numbers are its own (learner/shard_uploader.py)
         statuses = call_with_retry(self._shard_statuses, what="outer status", max_elapsed=300, stop=self.drain)
@@ -369,10 +369,12 @@ class Learner:
         self.model.train()
         if len(last_seqs) == 1:
             self.uploader: Uploader | ShardedUploader = Uploader(
-                lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id, pace=pace
+                lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id,
+                pace=self.transfer_pace.upload_span if paced else None,
             )
         else:
-            self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id, pace=pace)
+            self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id,
+                                            pace=self.transfer_pace.upload_span if paced else None)
         first = [u.next_seq for u in getattr(self.uploader, "parts", [self.uploader])]
         self.metrics.event(
             "learner_start",
@@ -437,7 +439,6 @@ class Learner:
             t0 = time.perf_counter()
             step_wall = t0 - last if step_wall is None else 0.9 * step_wall + 0.1 * (t0 - last)
             last = t0
-            self.transfer_pace.observe_step(step_wall)
             self.group.before_step(resend)
             resend.clear()
             batch = to_device(next(self.batches), self.device)
@@ -504,6 +505,7 @@ class Learner:
         arrays = [(n, d if on_gpu else d.cpu().numpy()) for n, d in deltas]
         for i in ids:
             self.anchor[i].copy_(self.params[i])
+        self.transfer_pace.window_ended()
         self.uploader.submit(
             Window(arrays, self.versions[fragment], tokens, steps, mean_loss, compute_seconds, fragment)
         )
