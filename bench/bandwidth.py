@@ -114,12 +114,13 @@ def fragments_supported() -> bool:
     return any("--fragments" in a.option_strings for a in parser._actions)
 
 
-def run_ddiloco(method: str, flags: list[str], run_dir: pathlib.Path, learners: int, profile: str) -> tuple[dict, dict]:
+def run_ddiloco(method: str, flags: list[str], run_dir: pathlib.Path, learners: int, profile: str,
+                step_seconds: float = 0.0) -> tuple[dict, dict]:
     from ddiloco.launcher.run import LaunchOptions, launch
     from ddiloco.launcher.topology import TopologyOptions
 
     result = launch(LaunchOptions(out=run_dir, run_flags=flags, learners=learners, device="cpu", progress=False, monitoring=False,
-                                  topology=TopologyOptions("netns", profile)))
+                                  topology=TopologyOptions("netns", profile), step_seconds=step_seconds))
     if not result.ok or "links" not in (result.report or {}):
         raise RuntimeError(f"{method} failed: {result.failures or 'no report'}; see {run_dir}/logs")
     return result.report, result.report["links"]
@@ -446,6 +447,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", default="", help="comma-separated H values beyond the preset's, e.g. 50,100 (the H sweep)")
     p.add_argument("--sweep-methods", default=",".join(SWEEP_METHODS),
                    help="methods the H sweep repeats, a subset of " + ", ".join(SWEEPABLE))
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="every learner's step at least this long (ddiloco run --step-seconds: slower hardware, "
+                        "longer fragment slots); DiLoCo rows only")
     p.add_argument("--tag", default="", help="appended to the result files' names (a run of a subset of the methods)")
     p.add_argument("--budget", type=int, default=0, help="tokens (default: the quality preset's N)")
     p.add_argument("--learners", type=int, default=0, help=f"M (default: {quality.M}, 2 with --quick)")
@@ -472,6 +476,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--sweep: expected comma-separated whole numbers, got {args.sweep!r}")
     if any(h < 1 for h in args.sweep_h):
         p.error("--sweep: every H must be at least 1")
+    if not 0 <= args.step_seconds <= 5:
+        p.error(f"--step-seconds must be between 0 and 5 (a lease is 10 s), got {args.step_seconds}")
+    if args.step_seconds and "dp" in args.method_list:
+        p.error("--step-seconds applies to the DiLoCo rows only: leave dp out (--methods)")
     if args.tag and not all(c.isalnum() or c == "-" for c in args.tag):
         p.error(f"--tag: letters, digits and '-' only (it names files), got {args.tag!r}")
     args.sweep_method_list = [m.strip() for m in args.sweep_methods.split(",") if m.strip()]
@@ -556,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report, links = run_dp(base, run_dir, learners, args.profile)
         else:
-            report, links = run_ddiloco(method, base + flags, run_dir, learners, args.profile)
+            report, links = run_ddiloco(method, base + flags, run_dir, learners, args.profile, args.step_seconds)
         events = read_events(run_dir)
         h = int(flags[flags.index("--inner-steps") + 1]) if "--inner-steps" in flags else preset.inner_steps
         p = int(flags[flags.index("--fragments") + 1]) if "--fragments" in flags else cfg.fragments
@@ -592,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "command": "python bench/bandwidth.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "profile": args.profile,
+            "step_seconds": args.step_seconds,
             "preset": preset.name,
             "learners": learners,
             "budget_tokens": preset.budget_tokens,

@@ -92,3 +92,11 @@ def test_a_tag_names_a_subset_runs_files_apart_and_must_be_a_file_name(bw, capsy
     with pytest.raises(SystemExit):
         bw.parse_args(["--tag", "../x"])
     assert "--tag" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--step-seconds", "-1"], ["--step-seconds", "6"], ["--step-seconds", "1.5"]])
+def test_slower_steps_are_bounded_and_only_for_the_diloco_rows(bw, argv, capsys):
+    with pytest.raises(SystemExit):
+        bw.parse_args(argv)  # the last: dp is among the default methods
+    assert "--step-seconds" in capsys.readouterr().err
+    assert bw.parse_args([*argv[:1], "1.5", "--methods", "ddiloco-int4-fragments"]).step_seconds == 1.5
