@@ -29,7 +29,11 @@ def test_chunks_are_sized_for_about_ten_a_second_within_the_bounds():
     # 4 MB over 2 s: 20 chunks of 200 kB
     assert chunk_bytes_for(4_000_000, 2.0, 1 << 20) == 4_000_000 // (2 * CHUNKS_PER_SECOND)
     # a small payload is not cut below the floor, a large one not above the stream's chunk
-    assert chunk_bytes_for(50_000, 5.0, 1 << 20) == MIN_CHUNK_BYTES
+    assert chunk_bytes_for(10_000, 5.0, 1 << 20) == MIN_CHUNK_BYTES
+    # the floor is the finest chunking the outer optimizer admits on an upload stream
+    from ddiloco.outer import service
+
+    assert MIN_CHUNK_BYTES == service.MIN_CHUNK_BYTES
     assert chunk_bytes_for(1 << 30, 1.0, 1 << 20) == 1 << 20
     # not paced: the stream's own chunk size
     assert chunk_bytes_for(4_000_000, 0.0, 1 << 20) == 1 << 20

@@ -67,6 +67,18 @@ def test_the_rate_follows_the_last_windows_only():
     assert pace.window_rate() == pytest.approx(1.0)
 
 
+def test_the_start_of_training_counts_as_a_window_end_so_the_first_upload_is_paced():
+    clock = Clock()
+    pace = TransferPace(config(), 25, clock=clock)
+    pace.training_started()
+    assert pace.window_rate() == 0.0  # no interval yet
+    clock.now += 2.0  # fragment 0's first window: one slot
+    pace.window_ended()
+    assert pace.window_rate() == pytest.approx(0.5)
+    assert pace.upload_span(100_000) == pytest.approx(2.0 / HEADROOM)
+    assert MIN_WINDOWS == 2
+
+
 def test_windows_ending_together_do_not_make_a_rate_of_their_own():
     # phase alignment can end two fragments' windows on the same step: the rate is taken
     # over the span of the last windows, so a pair at one instant counts as two windows

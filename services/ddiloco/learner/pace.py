@@ -32,8 +32,12 @@ Bounds:
   delay that is already there. Retries and the start-up download are not paced either.
 * At most ``ddiloco.common.paced.max_pace_seconds``, what the outer optimizer admits.
 
-Until the learner has ended ``MIN_WINDOWS`` windows there is no rate to pace to, and
-transfers go at link speed. Everything here reads an injected clock.
+Training's start counts as a window end: fragments' first windows are staggered (fragment
+f's is (f + 1) x H / P steps long, ``common/fragments.offset``), so the first window ends one
+slot after the start, and the first upload already has a rate to pace to. Without it the
+first uploads went at link speed, and with slow steps those bursts were the run's peak
+(5.1 times the average with 1.5 s steps, docs/wan.md). Until ``MIN_WINDOWS`` ends are known
+there is no rate, and transfers go at link speed. Everything here reads an injected clock.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from ddiloco.common.paced import max_pace_seconds
 HEADROOM = 1.25
 OVERLAP_SHARE = 0.25
 KEEP = 16  # window ends (and upload sizes) the rates are taken over
-MIN_WINDOWS = 4
+MIN_WINDOWS = 2  # window ends, training's start included: one interval
 BACKLOG = 2
 
 
@@ -66,6 +70,13 @@ class TransferPace:
         self._lock = threading.Lock()
         self._ends: collections.deque[float] = collections.deque(maxlen=KEEP)
         self._upload_bytes: collections.deque[int] = collections.deque(maxlen=KEEP)
+
+    def training_started(self) -> None:
+        """Called by the training loop before its first step: the first window end's
+        interval is measured from here (the module docstring)."""
+        with self._lock:
+            self._ends.clear()
+            self._ends.append(self.clock())
 
     def window_ended(self) -> None:
         """Called by the training loop at each window's end (each fragment's)."""

@@ -415,6 +415,7 @@ class Learner:
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
         start = self.train_started = time.monotonic()
+        self.transfer_pace.training_started()
         step = 0
         step_wall: float | None = None  # running mean of wall seconds per step
         extended = [False] * nfrag  # the current window was already lengthened (alignment)
