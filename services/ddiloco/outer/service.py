@@ -34,7 +34,7 @@ from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.evaluator import Evaluator
 from ddiloco.outer.gather import FragmentGather
 from ddiloco.outer.known_learners import KnownLearners
-from ddiloco.outer.paced_downloads import PacedDownloads
+from ddiloco.outer.learner_slots import LearnerSlots
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.status import OuterStatus
@@ -68,6 +68,13 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
+# Upload streams one learner may hold open at once (outer/learner_slots.py): its uploads go
+# one after another, and a retry may begin before the server has seen its broken attempt
+# end (a dead connection is found by keepalive, within 30 s); more are refused.
+MAX_PUSH_STREAMS = 2
+# Paced downloads one learner may hold at once: its downloads go one after another; a
+# further one is served at link speed (the data, without holding a thread for a span).
+MAX_PACED_PULLS = 1
 
 
 def max_waiting_polls(learners: int) -> int:
@@ -158,7 +165,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         rate = service.config.outer.learner_calls_per_s
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
         self.waiting = threading.BoundedSemaphore(max_waiting_polls(service.config.learners))
-        self.paced = PacedDownloads()
+        self.paced = LearnerSlots(MAX_PACED_PULLS)
+        self.pushing = LearnerSlots(MAX_PUSH_STREAMS)
         cfg = service.config
         # the longest span a download may be paced over (common/paced.max_pace_seconds)
         self.max_pace_ms = int(max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s) * 1000)
@@ -182,8 +190,19 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         if first is None:
             return iter(())
         if first.HasField("header"):
-            self._authorize(context, "PushDelta", first.header.learner_id)
-            self._limit(context, "PushDelta", first.header.learner_id)
+            learner = first.header.learner_id
+            self._authorize(context, "PushDelta", learner)
+            self._limit(context, "PushDelta", learner)
+            token = self.pushing.claim(learner)
+            if token is None:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"learner {learner} already holds {MAX_PUSH_STREAMS} upload streams open: "
+                    "its uploads go one after another; retry once one ends",
+                )
+            # released when the call ends, whatever ends it (at once if it has ended already)
+            if not context.add_callback(lambda: self.pushing.release(learner, token)):
+                self.pushing.release(learner, token)
             chunk = min(self.svc.config.learner.chunk_bytes, MIN_CHUNK_BYTES)
             most = -(-max(first.header.payload.payload_bytes, 0) // chunk) + 1
             return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
@@ -267,8 +286,9 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             # the claim ends with the call whatever ends it (a cancelled stream's generator
             # may be closed late, by the garbage collector)
             ended = threading.Event()
-            context.add_callback(ended.set)
-            context.add_callback(lambda: self.paced.release(request.learner_id, token))
+            if not context.add_callback(ended.set):
+                ended.set()  # the call has ended already: nothing to wait for
+            context.add_callback(lambda: self.paced.release(request.learner_id, token))  # else: the finally
             try:
                 pace = Pace(len(enc.payload), request.pace_ms / 1000, wait=ended.wait)
                 chunk = chunk_bytes_for(len(enc.payload), pace.seconds, svc.config.learner.chunk_bytes)

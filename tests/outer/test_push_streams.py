@@ -1,0 +1,129 @@
+"""A learner holds at most ``MAX_PUSH_STREAMS`` upload streams open at once on a real outer
+optimizer (outer/learner_slots.py): an upload stream holds a server thread until its last
+chunk, and the rate limit bounds how often a learner calls, not how many streams it keeps
+open. One more is RESOURCE_EXHAUSTED (which learners retry after their backoff) and changes
+nothing; other learners are not affected; a stream that ends frees its place."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from ddiloco.common import codec
+from ddiloco.common.rpc import channel
+from ddiloco.common.wire import payload_info, stream_messages
+from ddiloco.outer.learner_slots import LearnerSlots
+from ddiloco.outer.service import MAX_PUSH_STREAMS
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+RUN = "streams-run"
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    from outer_helpers import register
+    from support import TINY_RUN, wait_serving, wait_until
+
+    from ddiloco.launcher.processes import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("streams"))
+    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", "--run-id", RUN])
+    cluster.start_outer()
+    wait_until(cluster.registered_outer, 120, "outer registration")
+    wait_serving(cluster.outer_address)
+    yield cluster, register(cluster.coordinator_address, 2)
+    cluster.stop_all()
+
+
+class Pusher:
+    """Delta streams of one learner over a real channel."""
+
+    def __init__(self, address: str, learner: int) -> None:
+        self.learner = learner
+        self.stub = outer_pb2_grpc.OuterOptimizerStub(channel(address))
+        self.specs = None
+        chunks = list(self.stub.PullGlobal(
+            outer_pb2.PullGlobalRequest(run_id=RUN, learner_id=learner, have_version=-1, fragment=0), timeout=30))
+        info = chunks[0].header.payload
+        self.version = chunks[0].header.version
+        self.specs = [(t.name, tuple(t.shape)) for t in info.tensors]
+
+    def messages(self, seq: int, damaged: bool = False):
+        rng = np.random.default_rng(seq)
+        arrays = [(n, rng.uniform(-1e-3, 1e-3, size=s).astype(np.float32)) for n, s in self.specs]
+        enc = codec.encode(arrays, "int8", 64)
+        header = outer_pb2.DeltaHeader(run_id=RUN, learner_id=self.learner, base_version=self.version,
+                                       tokens=5 * 4 * 64, inner_steps=5, seq=seq, payload=payload_info(enc))
+        payload = bytearray(enc.payload)
+        if damaged:
+            payload[len(payload) // 2] ^= 0xFF  # fails its checksum: refused, whatever else it is
+        return list(stream_messages(outer_pb2.DeltaChunk, header, bytes(payload), 4096))
+
+    def probe(self, seq: int) -> grpc.StatusCode:
+        """The status of a push that can never be accepted: RESOURCE_EXHAUSTED while the
+        learner holds every stream it may, else DATA_LOSS (its checksum fails)."""
+        try:
+            self.stub.PushDelta(iter(self.messages(seq, damaged=True)), timeout=30)
+        except grpc.RpcError as exc:
+            return exc.code()
+        raise AssertionError("a damaged delta was accepted")
+
+    def held_open(self, seq: int, release: threading.Event):
+        """A push whose header and first chunk go at once, the rest once ``release`` is set."""
+        msgs = self.messages(seq)
+
+        def stream():
+            yield msgs[0]
+            release.wait(60)
+            yield from msgs[1:]
+
+        return self.stub.PushDelta.future(stream(), timeout=120)
+
+    def push(self, seq: int):
+        return self.stub.PushDelta(iter(self.messages(seq)), timeout=30)
+
+    def last_seq(self) -> int:
+        status = self.stub.GetStatus(outer_pb2.StatusRequest(), timeout=5)
+        return next((r.last_seq for r in status.learners if r.learner_id == self.learner), 0)
+
+
+def test_slots_are_counted_per_learner_and_released_once():
+    slots = LearnerSlots(2)
+    a1, a2 = slots.claim(1), slots.claim(1)
+    assert a1 is not None and a2 is not None and slots.claim(1) is None
+    assert slots.claim(2) is not None  # another learner has its own
+    slots.release(1, a1)
+    slots.release(1, a1)  # a second release of the same call does nothing
+    assert slots.held(1) == 1
+    assert slots.claim(1) is not None and slots.claim(1) is None
+    with pytest.raises(ValueError):
+        LearnerSlots(0)
+
+
+def test_one_stream_more_than_a_learner_may_hold_is_refused_and_a_finished_one_frees_its_place(system):
+    from support import wait_until
+
+    cluster, (a, b) = system
+    pa, pb = Pusher(cluster.outer_address, a), Pusher(cluster.outer_address, b)
+    releases = [threading.Event() for _ in range(MAX_PUSH_STREAMS)]
+    held = [pa.held_open(seq, r) for seq, r in zip(range(1, MAX_PUSH_STREAMS + 1), releases)]
+    # the server holds both once it has read their headers: wait for that, not a while (a
+    # probe can never be accepted, so it changes nothing whichever way it is answered)
+    wait_until(lambda: pa.probe(MAX_PUSH_STREAMS + 1) == grpc.StatusCode.RESOURCE_EXHAUSTED, 30, "the held streams")
+    with pytest.raises(grpc.RpcError) as err:
+        pa.push(MAX_PUSH_STREAMS + 1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"already holds {MAX_PUSH_STREAMS} upload streams open" in err.value.details()
+    assert pa.last_seq() == 0  # nothing accepted meanwhile
+    assert pb.push(1).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED  # another learner is not held up
+    for release, future in zip(releases, held):  # in sequence order: a learner's sequence only grows
+        release.set()
+        assert future.result(timeout=60).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
+    assert pa.last_seq() == MAX_PUSH_STREAMS
+    # the places are free again once the finished calls are released
+    wait_until(lambda: pa.probe(MAX_PUSH_STREAMS + 1) == grpc.StatusCode.DATA_LOSS, 30, "the streams released")
+    assert pa.push(MAX_PUSH_STREAMS + 1).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
+    assert pa.last_seq() == MAX_PUSH_STREAMS + 1
