@@ -97,10 +97,11 @@ class LearnerConfig:
     # was merged with ends its next window later by half that wait (at most H/2 steps), so
     # equal-speed learners come to send together. Asynchronous mode only.
     align_windows: bool = True
-    # Paced transfers: each upload and download is spread over most of a fragment slot
-    # (H/P steps) instead of leaving at link speed, so a WAN link carries about its average
-    # rate instead of bursts (ddiloco.learner.pace, docs/wan.md). Off by default: a paced
-    # delta arrives later, so merges are later and learners train longer on older bases.
+    # Paced transfers: each upload and download is spread over time, each direction at
+    # about 1.25 times its own average rate, instead of leaving at link speed, so a WAN link
+    # carries about its average rate instead of bursts (ddiloco.learner.pace, docs/wan.md).
+    # Off by default: a paced delta arrives later, so merges are later and learners train
+    # longer on older bases (1.9-3.5% higher final loss in four of five measured pairs).
     pace_transfers: bool = False
     # At most this many H-step windows are summed into one delta when uploads fall behind
     # (an outer optimizer down, a slow link); beyond it the learner waits for its uploads.

@@ -77,8 +77,8 @@ def add_run_flags(parser: argparse.ArgumentParser, only: frozenset[str] | None =
     add("--no-align-windows", action="store_true", default=None,
         help="learners keep windows of exactly H steps (no phase alignment with their peers)")
     add("--pace-transfers", action="store_true", default=None,
-        help="learners spread each upload and download over most of a fragment slot (H/P steps) instead of "
-             "bursts at link speed (asynchronous mode)")
+        help="learners spread each upload and download over time, each direction at about 1.25 times its own "
+             "average rate, instead of bursts at link speed (asynchronous mode; costs some quality: docs/wan.md)")
     defaults = RunConfig()
     for flag, dest, typ, help_ in _FLAGS:
         metavar = flag.lstrip("-").replace("-", "_").upper()
