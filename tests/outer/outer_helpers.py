@@ -138,3 +138,22 @@ class Tmpfs:
 
     def unmount(self) -> None:
         subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+def serving_run(folder: pathlib.Path, run_id: str, learners: int = 2):
+    """A real coordinator and outer optimizer of the tiny run ``run_id`` (M = ``learners``),
+    serving, with ``learners`` learner ids registered: yields (cluster, ids), stops both
+    after. For module fixtures: ``yield from serving_run(...)``."""
+    from support import TINY_RUN, wait_serving, wait_until
+
+    from ddiloco.launcher.processes import Cluster
+
+    cluster = Cluster(folder)
+    cluster.start_coordinator([*TINY_RUN, "--learners", str(learners), "--max-seconds", "600", "--run-id", run_id])
+    try:
+        cluster.start_outer()
+        wait_until(cluster.registered_outer, 120, "outer registration")
+        wait_serving(cluster.outer_address)
+        yield cluster, register(cluster.coordinator_address, learners)
+    finally:
+        cluster.stop_all()

@@ -28,21 +28,12 @@ RUN = "paced-run"
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    from outer_helpers import register
-    from support import TINY_RUN, wait_serving, wait_until
+    from outer_helpers import serving_run
 
-    from ddiloco.launcher.processes import Cluster
-
-    cluster = Cluster(tmp_path_factory.mktemp("paced"))
-    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", "--run-id", RUN])
-    cluster.start_outer()
-    wait_until(cluster.registered_outer, 120, "outer registration")
-    wait_serving(cluster.outer_address)
-    ids = register(cluster.coordinator_address, 2)
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
-    cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
-    yield cluster, ids, cfg
-    cluster.stop_all()
+    for cluster, ids in serving_run(tmp_path_factory.mktemp("paced"), RUN):
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+        cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
+        yield cluster, ids, cfg
 
 
 def pull_stream(address: str, learner: int, pace_ms: int, timeout: float = 30.0):

@@ -24,18 +24,9 @@ RUN = "streams-run"
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    from outer_helpers import register
-    from support import TINY_RUN, wait_serving, wait_until
+    from outer_helpers import serving_run
 
-    from ddiloco.launcher.processes import Cluster
-
-    cluster = Cluster(tmp_path_factory.mktemp("streams"))
-    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", "--run-id", RUN])
-    cluster.start_outer()
-    wait_until(cluster.registered_outer, 120, "outer registration")
-    wait_serving(cluster.outer_address)
-    yield cluster, register(cluster.coordinator_address, 2)
-    cluster.stop_all()
+    yield from serving_run(tmp_path_factory.mktemp("streams"), RUN)
 
 
 class Pusher:
