@@ -65,6 +65,10 @@ class Pace:
         self.waited = 0.0  # seconds spent holding chunks back, for the caller's accounting
         self.interrupted = False
 
+    def chunk_bytes(self, max_chunk: int) -> int:
+        """The chunk size this pace sends in (``chunk_bytes_for``)."""
+        return chunk_bytes_for(self.total, self.seconds, max_chunk)
+
     def __call__(self, offset: int) -> None:
         now = self.clock()
         if self.start is None:

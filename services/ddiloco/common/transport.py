@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from ddiloco.common import codec, errors
-from ddiloco.common.paced import Pace, chunk_bytes_for
+from ddiloco.common.paced import Pace
 from ddiloco.common.rpc import TRANSIENT, channel
 from ddiloco.common.wire import (
     OUTER_SERVICE,
@@ -161,8 +161,7 @@ class OuterClient:
         describes all of it), paced by ``pace`` (over the bytes sent) if given."""
         header.offset = offset
         rest = memoryview(payload)[offset:]
-        chunk = chunk_bytes_for(len(rest), pace.seconds, self.chunk_bytes) if pace is not None else self.chunk_bytes
-        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, chunk, before=pace), timeout=timeout)
+        return self._push(stream_frames(outer_pb2.DeltaChunk, header, rest, self.chunk_bytes, pace), timeout=timeout)
 
     @_open
     def pull_payload(

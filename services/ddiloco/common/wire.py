@@ -24,6 +24,7 @@ import numpy as np
 from ddiloco.common import codec as codec_mod
 from ddiloco.common import errors
 from ddiloco.common.config_rules import MAX_HEADER_BYTES
+from ddiloco.common.paced import Pace
 from ddiloco.common.rpc import chunks
 from ddiloco.v1 import common_pb2, outer_pb2
 
@@ -126,22 +127,24 @@ def serialize(message) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def stream_frames(message_cls, header, payload, chunk_bytes: int, before: Callable[[int], None] | None = None) -> Iterator:
+def stream_frames(message_cls, header, payload, chunk_bytes: int, pace: Pace | None = None) -> Iterator:
     """As ``stream_messages``, with the data-only chunks as ready frames (see the module
-    docstring); for a stub or handler whose serializer is ``serialize``. ``before(offset)``
-    is called before each chunk goes, with the byte offset it starts at (a
-    ``ddiloco.common.paced.Pace`` holds it back until it is due)."""
+    docstring); for a stub or handler whose serializer is ``serialize``. With ``pace``
+    (``ddiloco.common.paced``), in the pace's chunks (at most ``chunk_bytes``), each held
+    back until it is due."""
     if chunk_bytes <= 0:
         raise ValueError("chunk size must be positive")
+    if pace is not None:
+        chunk_bytes = pace.chunk_bytes(chunk_bytes)
     if header.ByteSize() > MAX_HEADER_BYTES:  # else the peer's channel refuses the first message
         raise ValueError(f"a stream header of {header.ByteSize()} bytes is over the {MAX_HEADER_BYTES} a message leaves it")
     view = memoryview(payload)
-    if before is not None:
-        before(0)
+    if pace is not None:
+        pace(0)
     yield message_cls(header=header, data=bytes(view[:chunk_bytes]))
     for i in range(chunk_bytes, len(view), chunk_bytes):
-        if before is not None:
-            before(i)
+        if pace is not None:
+            pace(i)
         yield data_frame(view[i : i + chunk_bytes])
 
 

@@ -23,7 +23,7 @@ from ddiloco.common import auth, codec, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.common.paced import Pace, chunk_bytes_for, max_pace_seconds
+from ddiloco.common.paced import Pace, max_pace_seconds
 from ddiloco.common.ratelimit import RateLimiter
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
@@ -291,8 +291,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.add_callback(lambda: self.paced.release(request.learner_id, token))  # else: the finally
             try:
                 pace = Pace(len(enc.payload), request.pace_ms / 1000, wait=ended.wait)
-                chunk = chunk_bytes_for(len(enc.payload), pace.seconds, svc.config.learner.chunk_bytes)
-                yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, chunk, before=pace)
+                yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes, pace)
             finally:
                 self.paced.release(request.learner_id, token)
         # the download is part of what a grace window must leave time for (outer/timing.py);
