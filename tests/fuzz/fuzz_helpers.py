@@ -39,6 +39,7 @@ PRECISE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.ABORTED,  # a heartbeat or Leave from another process than the id's holder
 }
 
 # Deterministic runs (derandomize: the same examples every time), no database, no deadline

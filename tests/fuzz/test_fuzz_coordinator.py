@@ -14,12 +14,14 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
   digest that does not match its tensors, or is self-consistent but another model (any
   names, any int64 dimensions). Address and datacenter are any text.
 * ``Heartbeat``: any run id, any learner id (registered or any int32), any statistics
-  (every field from int64 / double extremes, NaN and infinities included). These may be
-  legitimate: an accepted one must be for a registered learner of this run, and must set
-  exactly that learner's statistics to what was sent, nothing else.
+  (every field from int64 / double extremes, NaN and infinities included), an instance
+  token that is empty, a member's own or any text. These may be legitimate: an accepted one
+  must be for a registered learner of this run, without a token or with its own, and must
+  set exactly that learner's statistics to what was sent, nothing else.
 * ``Leave``: like Heartbeat but always poisoned (another or empty run id, an id that is not
-  a member, or statistics that are negative, non-finite or beyond any learner's reach,
-  e.g. tokens = 2^63 - 1), since an accepted Leave is a legitimate membership change.
+  a member, statistics that are negative, non-finite or beyond any learner's reach, e.g.
+  tokens = 2^63 - 1, or the token of another process than the one holding the id), since
+  an accepted Leave is a legitimate membership change.
 * ``RegisterService``: another run id, a kind other than "outer", or an outer shard the run
   does not have (an accepted one would legitimately move the outer address).
 * ``GetRunConfig``, ``GetMembership``; ``grpc.health.v1`` Check with any service name.
@@ -75,6 +77,7 @@ class System:
         self.signature = run_signature(stub)
         self.health = health_pb2_grpc.HealthStub(channel(cluster.coordinator_address))
         self.ids: list[int] = []
+        self.tokens: dict[int, str] = {}  # each registered learner's instance token
 
     def membership(self) -> coordinator_pb2.Membership:
         return self.stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=10)
@@ -100,7 +103,10 @@ def system(tmp_path_factory):
     cluster, stub = start_coordinator(tmp_path_factory.mktemp("fuzz-coordinator"), ["--lease-timeout", "7200", "--max-seconds", "7200"])
     s = System(cluster, stub)
     announce_outer(stub, s.run_id)
-    s.ids = [register(stub, run_id=s.run_id).learner_id for _ in range(M)]
+    for _ in range(M):
+        token = secrets.token_hex(8)
+        s.tokens[register(stub, run_id=s.run_id, token=token).learner_id] = token
+    s.ids = sorted(s.tokens)
     tokens_per_step = 4 * 64  # TINY_RUN: batch 4 x context 64
     stub.Heartbeat(
         coordinator_pb2.HeartbeatRequest(
@@ -190,6 +196,8 @@ def heartbeat_requests(s: System):
         run_id=st.one_of(st.just(s.run_id), texts()),
         learner_id=st.one_of(st.sampled_from(s.ids), int32s()),
         stats=any_stats(),
+        # none (not checked), a member's own (right for that member only), or any text
+        instance_token=st.one_of(st.just(""), st.sampled_from([s.tokens[i] for i in s.ids]), texts()),
     )
 
 
@@ -198,11 +206,13 @@ def leave_requests(draw, s: System):
     req = coordinator_pb2.LeaveRequest(
         run_id=s.run_id, learner_id=draw(st.sampled_from(s.ids)), stats=draw(any_stats()), reason=draw(texts(300))
     )
-    poison = draw(st.sampled_from(["run_id", "learner", "stats"]))
+    poison = draw(st.sampled_from(["run_id", "learner", "stats", "token"]))
     if poison == "run_id":
         req.run_id = draw(texts().filter(lambda r: r != s.run_id))
     elif poison == "learner":
         req.learner_id = draw(int32s().filter(lambda i: i not in s.ids))
+    elif poison == "token":  # another process's (a superseded one's) or any text
+        req.instance_token = draw(texts().filter(lambda t: t and t != s.tokens[req.learner_id]))
     else:
         req.stats.CopyFrom(draw(impossible_stats()))
     return poison, req
@@ -280,6 +290,7 @@ def test_hostile_requests_get_precise_statuses_and_change_nothing(system, exampl
         if rpc == "Heartbeat" and code == grpc.StatusCode.OK:
             # legitimate: a member of this run reported; only its statistics may change, to what it sent
             assert req.run_id == s.run_id and req.learner_id in s.ids, req
+            assert req.instance_token in ("", s.tokens[req.learner_id]), req  # never another process's
             m = {x.learner_id: x for x in s.membership().members}[req.learner_id]
             assert m.stats == req.stats, (m.stats, req.stats)
             expected = dict(before["members"])

@@ -41,7 +41,7 @@ def _learner_blocked_in_training(seconds_ago: float) -> Learner:
     learner.stop_event, learner.drain = threading.Event(), threading.Event()
     learner.heartbeat_s = 0.05
     learner.config = RunConfig()
-    learner.run_id, learner.learner_id = "hb", 0
+    learner.run_id, learner.learner_id, learner.instance_token = "hb", 0, "t"
     learner.stats = Stats()
     learner.phase = "training"
     learner.train_started = time.monotonic() - seconds_ago

@@ -9,7 +9,9 @@ that serves the run's real initial parameters and then answers what the test scr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -33,8 +35,14 @@ def _events(cluster: Cluster, kind: str) -> list[dict]:
 @pytest.fixture
 def run(tmp_path):
     """A coordinator process, and a fake outer optimizer registered with it."""
+    with _running(tmp_path) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _running(tmp_path, flags=()):
     cluster = Cluster(tmp_path)
-    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600"])
+    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", *flags])
     with channel(cluster.coordinator_address) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         resp = stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=10)
@@ -115,3 +123,48 @@ def test_a_learner_whose_emulated_step_outlasts_the_runs_lease_is_refused_before
     assert code != 0
     assert "learner cannot join this run: step seconds 30.0 must be below the run's lease (10.0 s)" in log
     assert _events(cluster, "learner_start") == [] and fake.accepted == []
+
+
+def test_a_learner_cut_off_past_its_lease_and_replaced_stops_at_its_first_heartbeat_and_sends_nothing(tmp_path):
+    """Frozen (SIGSTOP) past its lease, as a partitioned node's process is cut off, while a
+    second process takes its id; thawed, its first heartbeat is refused as superseded, and
+    it exits non-zero without another upload or a Leave (ddiloco.coordinator.membership).
+    Frozen just after an acknowledgement, so its next window is H steps away, and its
+    heartbeat, overdue, goes first."""
+    from support import wait_until
+
+    with _running(tmp_path, ["--lease-timeout", "3"]) as (cluster, fake):
+        old = cluster.start_learner(0, ["--device", "cpu"], name="learner-0-old")
+        wait_until(lambda: len(fake.accepted) >= 2, 120, "the first process's uploads")
+        seen = len(fake.accepted)
+        wait_until(lambda: len(fake.accepted) > seen, 60, "one more upload")
+        old.popen.send_signal(signal.SIGSTOP)
+        frozen_at = len(fake.accepted)
+
+        def replaced():
+            m = cluster.membership()
+            return m is not None and any(x.learner_id == 0 and x.incarnation == 2 and x.alive for x in m.members)
+
+        new = cluster.start_learner(0, ["--device", "cpu"], name="learner-0-new")
+        wait_until(replaced, 120, "the second process to take learner id 0")
+        wait_until(lambda: len(fake.accepted) > frozen_at, 120, "the second process's uploads")
+        before = len(fake.accepted)
+        seqs_before = [(a.learner_id, a.seq) for a in fake.accepted]
+
+        old.popen.send_signal(signal.SIGCONT)
+        code = old.popen.wait(timeout=60)
+        log = old.log_path.read_text()
+        assert code == 1, log[-3000:]
+        assert "superseded: learner 0 is held by another process (incarnation 2)" in log
+        superseded = [e for e in _events(cluster, "learner_superseded")]
+        assert len(superseded) == 1
+        # nothing from the old process after it was thawed: every delta accepted since is the
+        # new process's, in its own unbroken sequence
+        assert [(a.learner_id, a.seq) for a in fake.accepted[:before]] == seqs_before
+        wait_until(lambda: len(fake.accepted) > before + 1, 120, "the second process to go on uploading")
+        assert new.returncode() is None, new.log_path.read_text()[-3000:]
+        assert "another process uploads as learner 0" not in new.log_path.read_text()
+        m = cluster.membership()
+        member = {x.learner_id: x for x in m.members}[0]
+        assert member.alive and not member.left and member.incarnation == 2
+        assert not [e for e in _events(cluster, "learner_left") if e.get("learner") == 0]

@@ -50,7 +50,7 @@ def _learner() -> Learner:
     learner.heartbeat_s = 0.0
     learner.config = RunConfig()
     learner.options = SimpleNamespace(security=None)
-    learner.run_id, learner.learner_id = "notice", 0
+    learner.run_id, learner.learner_id, learner.instance_token = "notice", 0, "t"
     learner.stats = Stats()
     learner.phase = "training"
     learner.train_started = 0.0

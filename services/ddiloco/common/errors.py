@@ -63,6 +63,13 @@ class PermissionDenied(Refused):
     another learner id, or a learner the coordinator does not know."""
 
 
+class Superseded(Refused):
+    """The caller's process no longer holds its learner id: it was cut off past its lease and
+    another process registered under the id since. It must stop, without sending what it
+    has not had acknowledged (that work is retrained by its successor from the acknowledged
+    position), rather than keep training and uploading beside its successor."""
+
+
 class Unavailable(Refused):
     """Not possible now; retrying later may succeed."""
 

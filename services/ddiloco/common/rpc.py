@@ -40,6 +40,7 @@ STATUS_OF = {
     errors.WrongShard: grpc.StatusCode.UNAVAILABLE,  # retried: the caller's map of shards is stale
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    errors.Superseded: grpc.StatusCode.ABORTED,  # a learner reads it as "stop now", not "drain"
 }
 
 

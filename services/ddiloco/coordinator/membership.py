@@ -23,6 +23,14 @@ each Register. For a requested id:
 So the incarnation counts the processes that held the id, and rises at most once per lease
 timeout however many calls are made.
 
+A process cut off past its lease (a partitioned node) may still be alive when its successor
+holds the id: an orchestrator that declared its node lost started another in its place.
+Its heartbeats and its Leave carry its token, and once the token is not the incarnation's
+they are refused with ``Superseded``, changing nothing, so the old process learns at its
+first heartbeat after the cut heals that it must stop, rather than train the same shard
+and upload under the same id beside its successor (whose record it would otherwise renew,
+fill with its own counters, or mark as left). A heartbeat without a token is not checked.
+
 State is persisted atomically to ``state.json`` on every membership change, so a restarted
 coordinator rebuilds the same view; learners that do not know it re-register with their id.
 """
@@ -46,6 +54,7 @@ from ddiloco.common.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Superseded,
     Unavailable,
 )
 from ddiloco.coordinator.signature import check_signature, model_signature
@@ -170,10 +179,20 @@ class Membership:
         if run_id != self.config.run_id and not (allow_empty and not run_id):
             raise FailedPrecondition(f"this coordinator runs {self.config.run_id!r}, not {run_id!r}")
 
-    def _registered(self, learner_id: int) -> MemberRecord:
+    def _registered(self, learner_id: int, token: str = "") -> MemberRecord:
+        """The id's record, for the process ``token`` (empty: any); ``Superseded`` if another
+        process holds the id since (the module docstring)."""
+        if len(token) > MAX_TOKEN_CHARS:
+            raise InvalidArgument(f"instance_token must be at most {MAX_TOKEN_CHARS} characters, got {len(token)}")
         rec = self.members.get(learner_id)
         if rec is None:
             raise NotFound(f"learner {learner_id} is not registered; register again")
+        if token and token != rec.instance_token:
+            raise Superseded(
+                f"learner {learner_id} is held by another process (incarnation {rec.incarnation}) than the one "
+                "that sent this: that process was cut off past its lease and replaced, and must stop; its "
+                "unacknowledged work is retrained by its successor"
+            )
         return rec
 
     def _accept_stats(self, rec: MemberRecord, stats: common_pb2.LearnerStats) -> None:
@@ -257,10 +276,10 @@ class Membership:
             raise ResourceExhausted(f"all {self.max_ids} learner ids of this run are held by live learners")
         return free
 
-    def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats) -> MemberRecord:
+    def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> MemberRecord:
         self._check_run(run_id)
         with self.lock:
-            rec = self._registered(learner_id)
+            rec = self._registered(learner_id, token)
             if rec.left:
                 raise NotFound(f"learner {learner_id} left the run; register again")
             self._accept_stats(rec, stats)
@@ -269,10 +288,10 @@ class Membership:
             self.dead_announced.discard(learner_id)
             return rec
 
-    def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats) -> None:
+    def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> None:
         self._check_run(run_id)
         with self.lock:
-            rec = self._registered(learner_id)
+            rec = self._registered(learner_id, token)
             self._accept_stats(rec, stats)
             rec.left = True
             self.save()

@@ -95,7 +95,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Heartbeat(self, request, context):
         svc = self.svc
         self._authorize(context, "Heartbeat", request.learner_id)
-        self._guard(context, lambda: svc.members.heartbeat(request.run_id, request.learner_id, request.stats))
+        self._guard(context, lambda: svc.members.heartbeat(request.run_id, request.learner_id, request.stats, request.instance_token))
         return coordinator_pb2.HeartbeatResponse(
             state=svc.members.state,
             outer_address=svc.members.outer_address,
@@ -107,7 +107,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Leave(self, request, context):
         svc = self.svc
         self._authorize(context, "Leave", request.learner_id)
-        self._guard(context, lambda: svc.members.leave(request.run_id, request.learner_id, request.stats))
+        self._guard(context, lambda: svc.members.leave(request.run_id, request.learner_id, request.stats, request.instance_token))
         svc.metrics.event("learner_left", learner=request.learner_id, reason=request.reason[:200])
         return coordinator_pb2.LeaveResponse()
 

@@ -117,6 +117,8 @@ class Learner:
         self.learner_id = -1
         self.drain = threading.Event()
         self.stop_event = threading.Event()
+        self.instance_token = ""  # this process's, drawn at its first Register
+        self.superseded = False  # another process took this learner id (_superseded)
         self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.ranks = options.ranks or 1  # the run's once registered (options.ranks 0)
         self.coord_channel = channel(options.coordinator, options.security, server_role="coordinator")
@@ -219,7 +221,7 @@ class Learner:
         the process with the coordinator's message, no traceback."""
         import secrets
 
-        if not getattr(self, "instance_token", ""):
+        if not self.instance_token:
             self.instance_token = secrets.token_hex(16)
         first = not self.run_id
         run = call_with_retry(
@@ -554,10 +556,15 @@ class Learner:
                 # admits between two reports, and every later heartbeat was refused until
                 # the lease expired (live learners declared dead, the quorum collapsed)
                 self.stats.set(wall_seconds=time.monotonic() - self.train_started)
-            req = coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb())
+            req = coordinator_pb2.HeartbeatRequest(
+                run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(), instance_token=self.instance_token,
+            )
             try:
                 resp = self.coordinator.Heartbeat(req, timeout=5)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    self._superseded(exc.details())
+                    return
                 if exc.code() == grpc.StatusCode.NOT_FOUND and not self.drain.is_set():
                     # the coordinator lost us (restarted without state): join again, same id
                     try:
@@ -576,6 +583,20 @@ class Learner:
             if resp.state in STOP_STATES and not self.drain.is_set():
                 log.info("run is %s: draining", coordinator_pb2.RunState.Name(resp.state))
                 self.drain.set()
+
+    def _superseded(self, details: str) -> None:
+        """Another process holds this learner id since this one was cut off past its lease
+        (ddiloco.coordinator.membership). Stop at once and send nothing more: uploading
+        beside the successor would train the same shard twice and make the two processes'
+        sequence numbers collide. What was not acknowledged is the successor's to retrain
+        from the acknowledged position; a loud exit tells the operator that two processes
+        claimed the id."""
+        self.superseded = True
+        uploader = getattr(self, "uploader", None)
+        if uploader is not None:
+            uploader.stop()  # before the failure's drain, whose flush would send the queue
+        self.metrics.event("learner_superseded", learner=self.learner_id, reason=details)
+        self.supervisor.fail("heartbeat", f"superseded: {details}")
 
     def _finish(self) -> None:
         self.phase = "draining"
@@ -598,13 +619,15 @@ class Learner:
             deltas_sent=self.stats.get("deltas_sent"), failed=bool(failure),
         )
         try:
-            self.coordinator.Leave(
-                coordinator_pb2.LeaveRequest(
-                    run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(),
-                    reason=f"failed: {failure}" if failure else "drained" if flushed else "drain timeout",
-                ),
-                timeout=5,
-            )
+            if not self.superseded:  # the id is its successor's: not this process's to leave
+                self.coordinator.Leave(
+                    coordinator_pb2.LeaveRequest(
+                        run_id=self.run_id, learner_id=self.learner_id, stats=self.stats.pb(),
+                        reason=f"failed: {failure}" if failure else "drained" if flushed else "drain timeout",
+                        instance_token=self.instance_token,
+                    ),
+                    timeout=5,
+                )
         except grpc.RpcError as exc:
             log.warning("leave: %s", exc.code().name)
         self.phase = "stopped"

@@ -76,14 +76,16 @@ class RegisterResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("run_id", "learner_id", "stats")
+    __slots__ = ("run_id", "learner_id", "stats", "instance_token")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     stats: _common_pb2.LearnerStats
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ...) -> None: ...
+    instance_token: str
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ..., instance_token: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("state", "outer_address", "lease_ms", "outer_shards", "outer_registrations")
@@ -100,16 +102,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[RunState, str]] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ..., outer_registrations: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("run_id", "learner_id", "stats", "reason")
+    __slots__ = ("run_id", "learner_id", "stats", "reason", "instance_token")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     stats: _common_pb2.LearnerStats
     reason: str
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    instance_token: str
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., stats: _Optional[_Union[_common_pb2.LearnerStats, _Mapping]] = ..., reason: _Optional[str] = ..., instance_token: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,68 @@
+"""A learner told by the coordinator that another process holds its id since it was cut off
+(ABORTED on a heartbeat, tests/coordinator/test_superseded_process.py) stops at once: its
+uploader is stopped before the failure starts the drain, whose flush would otherwise send
+the queued windows under the successor's id, and the process exits non-zero.
+
+The heartbeat thread of a real ``Learner`` runs against a stand-in for the coordinator's
+stub that answers ABORTED (the coordinator's rule itself runs over gRPC in
+tests/coordinator), with a stand-in uploader that records when it is stopped."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from ddiloco.common.config import RunConfig
+from ddiloco.common.metrics import MetricsLog
+from ddiloco.learner.stats import Stats
+from ddiloco.learner.supervision import Supervisor
+from ddiloco.learner.worker import Learner
+
+
+class Aborted(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.ABORTED
+
+    def details(self):
+        return "learner 3 is held by another process since this one was cut off past its lease (incarnation 2)"
+
+
+class AbortingCoordinator:
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def Heartbeat(self, req, timeout):
+        self.tokens.append(req.instance_token)
+        raise Aborted()
+
+
+class RecordingUploader:
+    def __init__(self, drain: threading.Event) -> None:
+        self.drain = drain
+        self.stopped_before_drain: bool | None = None
+
+    def stop(self) -> None:
+        self.stopped_before_drain = not self.drain.is_set()
+
+
+def test_a_superseded_learner_stops_its_uploads_before_draining_and_fails_loudly():
+    learner = Learner.__new__(Learner)  # only what the heartbeat thread reads
+    learner.stop_event, learner.drain = threading.Event(), threading.Event()
+    learner.heartbeat_s = 0.0
+    learner.config = RunConfig()
+    learner.run_id, learner.learner_id, learner.instance_token = "run", 3, "this-process"
+    learner.stats = Stats()
+    learner.phase, learner.train_started = "training", None
+    learner.superseded = False
+    learner.metrics = MetricsLog(None, "learner")
+    learner.supervisor = Supervisor("learner", on_failure=learner.drain.set)
+    learner.coordinator = AbortingCoordinator()
+    learner.uploader = RecordingUploader(learner.drain)
+
+    learner._heartbeat_loop()  # returns: no more heartbeats from a superseded process
+
+    assert learner.coordinator.tokens == ["this-process"]  # it said which process it is
+    assert learner.uploader.stopped_before_drain is True
+    assert learner.superseded and learner.drain.is_set()
+    assert learner.supervisor.exit_code() == 1 and "superseded" in learner.supervisor.failure
