@@ -124,6 +124,21 @@ def digest_of(payload, fmt: int = FORMAT) -> str:
     return xxhash.xxh3_128_hexdigest(payload)
 
 
+HELD_DIGEST_BYTES = 32
+
+
+def held_digest(arrays) -> bytes:
+    """SHA-256 of float arrays' float32 values, in order (numpy, or torch on any device): how
+    a learner names a copy of a fragment it holds without sending it
+    (``PullGlobalRequest.have_digest``). Shapes and names are not in it; the run's model
+    signature already fixed them at registration."""
+    h = hashlib.sha256()
+    for arr in arrays:
+        t, _ = _flat(arr)
+        h.update(t.cpu().numpy().tobytes())
+    return h.digest()
+
+
 # ----------------------------------------------------------------------------- encoding
 def _flat(arr) -> tuple[torch.Tensor, tuple[int, ...]]:
     """A flat float32 contiguous tensor of ``arr`` (numpy or torch, any device), sharing

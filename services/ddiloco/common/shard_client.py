@@ -65,8 +65,10 @@ class ShardedOuterClient:
     def push(self, enc: codec.Encoded, *, fragment: int = 0, **kwargs) -> outer_pb2.PushDeltaResponse:
         return self.owner(fragment).push(enc, fragment=fragment, **kwargs)
 
-    def pull(self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0) -> GlobalParams:
-        return self.owner(fragment).pull(fragment, have_version, timeout, pace_s)
+    def pull(
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
+    ) -> GlobalParams:
+        return self.owner(fragment).pull(fragment, have_version, timeout, pace_s, have_digest)
 
     # ------------------------------------------------------------------ status
     def status(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0) -> outer_pb2.OuterStatus:

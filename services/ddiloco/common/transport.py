@@ -165,22 +165,26 @@ class OuterClient:
 
     @_open
     def pull_payload(
-        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
     ) -> tuple[outer_pb2.GlobalHeader, memoryview]:
         """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
-        that is not one. ``pace_s``: ask the server to spread it over that many seconds."""
+        that is not one. ``pace_s``: ask the server to spread it over that many seconds.
+        ``have_digest``: the digest of a copy this side built itself, claimed to be
+        ``have_version`` (``codec.held_digest``; ``PullGlobalRequest.have_digest``)."""
         stream = self._pull(
             outer_pb2.PullGlobalRequest(
                 run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment,
-                pace_ms=int(pace_s * 1000),
+                pace_ms=int(pace_s * 1000), have_digest=have_digest,
             ),
             timeout=timeout,
         )
         return reassemble(stream, 1 << 34, "global parameters")
 
-    def pull(self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0) -> GlobalParams:
+    def pull(
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
+    ) -> GlobalParams:
         try:
-            header, payload = self.pull_payload(fragment, have_version, timeout, pace_s)
+            header, payload = self.pull_payload(fragment, have_version, timeout, pace_s, have_digest)
             arrays = decode_payload(header.payload, payload)
         except errors.Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc

@@ -11,7 +11,9 @@ the upload direction in total either. Without that bound it was, a little, under
 queued together travel as one upload, while a catch-up may come on top of the download of
 the learner's own merge (a loaded CI run: 210 downloads against about 206 uploads). A learner
 whose deltas are refused as stale still sends them, so it still catches up once per window.
-The initial full copy (``pull_all``) is not counted: it is the model, not a change.
+The initial full copy (``pull_all``) is not counted: it is the model, not a change. A
+learner offers the model it built itself as that copy: a fragment not merged yet then
+costs nothing to download.
 
 Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads``); the
 puller keeps that copy per fragment, applies each change to it exactly as the outer
@@ -55,6 +57,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from ddiloco.common import codec
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import retry_after
 from ddiloco.common.rpc import TRANSIENT, Backoff
@@ -128,20 +131,32 @@ class Puller:
         self.stats = stats
         self.metrics = metrics
         self.copies = [FragmentCopy() for _ in range(fragments)]
+        # fragment -> digest of a copy this learner built itself and the server has not yet
+        # confirmed (pull_all's ``held``): sent with that fragment's first pull only
+        self._held_digest: dict[int, bytes] = {}
         self._incoming: dict[int, FragmentCopy] = {}
         self._lock = threading.Lock()
         self.arrived = threading.Event()
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def pull_all(self, timeout: float = 300.0, stop: threading.Event | None = None) -> list[FragmentCopy]:
+    def pull_all(
+        self, timeout: float = 300.0, stop: threading.Event | None = None,
+        held: list[list[tuple[str, np.ndarray]]] | None = None,
+    ) -> list[FragmentCopy]:
         """Blocking download of every fragment, used at start-up. Transient statuses
         propagate (the caller retries); corrupt downloads and rate-limit refusals are retried
-        here, a rate-limit wait cut short by ``stop`` (InterruptedError)."""
+        here, a rate-limit wait cut short by ``stop`` (InterruptedError). ``held``: per
+        fragment, the copy this learner built itself (the run's seeded initial model), offered
+        as version 0 by its digest: a fragment not merged yet then costs no download
+        (``outer/downloads.py``); any other comes in full."""
         client = self.client_factory()
         status = client.status()
         for f in range(len(self.copies)):
-            self._pull(client, f, self._mine(status, f), timeout, stop)
+            if held is not None and self.copies[f].arrays is None:
+                self.copies[f] = FragmentCopy(version=0, arrays=[(n, np.array(a, dtype=np.float32)) for n, a in held[f]])
+                self._held_digest[f] = codec.held_digest([a for _, a in self.copies[f].arrays])
+            self._pull(client, f, self._mine(status, f), timeout, stop, start=True)
         return list(self.copies)
 
     def start(self, supervisor: Supervisor) -> None:
@@ -157,7 +172,7 @@ class Puller:
             self.arrived.clear()
             return items
 
-    def _apply(self, got: GlobalParams, merged_mine: int) -> FragmentCopy:
+    def _apply(self, got: GlobalParams, merged_mine: int, start: bool = False) -> FragmentCopy:
         old = self.copies[got.fragment]
         if got.base_version < 0:
             arrays = got.arrays
@@ -173,7 +188,7 @@ class Puller:
         self.stats.set(global_version=sum(max(c.version, 0) for c in self.copies))
         self.metrics.event(
             "pull", learner=self.learner_id, fragment=got.fragment, version=got.version, bytes=got.nbytes,
-            full=got.base_version < 0,
+            full=got.base_version < 0, start=start,
         )
         return copy
 
@@ -200,20 +215,24 @@ class Puller:
 
     def _pull(
         self, client: OuterClient, fragment: int, merged_mine: int, timeout: float, stop: threading.Event | None = None,
-        pace_s: float = 0.0,
+        pace_s: float = 0.0, start: bool = False,
     ) -> FragmentCopy:
         """Download one fragment into its copy, retrying what a new download can repair and
         waiting out the rate limit. ``pace_s``: the first attempt's span (a retry is late
-        already and goes at link speed)."""
+        already and goes at link speed). ``start``: the start-up copy (``pull_all``; its
+        ``pull`` event says so)."""
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         full = False  # after a mismatch, ask for the whole fragment
         failures = 0
         limited = 0  # rate-limit refusals in a row
         while True:
             try:
+                digest = b"" if full else self._held_digest.get(fragment, b"")
                 got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout + pace_s,
-                                  pace_s=pace_s)
-                return self._apply(got, merged_mine)
+                                  pace_s=pace_s, have_digest=digest)
+                copy = self._apply(got, merged_mine, start)
+                self._held_digest.pop(fragment, None)  # confirmed (a change on it) or replaced (in full)
+                return copy
             except grpc.RpcError as exc:
                 pace_s = 0.0
                 hint = retry_after(exc.details()) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None

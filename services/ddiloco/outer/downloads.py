@@ -8,7 +8,12 @@ one download is thus corrected by the next one instead of accumulating: the lear
 stays within one round of quantization error of the true global parameters.
 
 The full fragment (fp32) goes out only when a learner joins, rejoins, or asks from a
-version this side no longer holds. The copy before the latest download is kept as well, so
+version this side no longer holds. A learner that joins while a fragment is still at the
+version it built itself (the run's seeded initial model, before that fragment's first
+merge) names its copy by digest instead (``have_digest``): if it is exactly the current
+version, that copy becomes the learner's view and the answer is the change since it, which
+is nothing; the whole model is not sent over the WAN to every datacenter at the start of a
+run that each can build itself. The copy before the latest download is kept as well, so
 a download lost in transit (the learner asks again from its older version) costs nothing.
 
 Bounded: every remembered copy is a full fragment, so views are kept for at most
@@ -60,9 +65,13 @@ class DownloadViews:
         return views
 
     def encode_for(
-        self, learner_id: int, fragment: int, have_version: int, version: int, arrays: list[tuple[str, np.ndarray]]
+        self, learner_id: int, fragment: int, have_version: int, version: int, arrays: list[tuple[str, np.ndarray]],
+        have_digest: bytes = b"",
     ) -> tuple[codec.Encoded, int]:
-        """Returns (payload, base_version): base -1 means a full fp32 fragment.
+        """Returns (payload, base_version): base -1 means a full fp32 fragment. ``have_digest``:
+        the learner's own copy, claimed to be ``have_version`` (the module docstring); its
+        claim is checked against the current version only (a digest of it), and ignored
+        (the full fragment) if it is not that.
 
         The encode runs under the lock, so the learners pulling after a merge are encoded
         one at a time. Encoding outside it was tried and measured slower on two cores
@@ -71,8 +80,20 @@ class DownloadViews:
         instead of taking turns."""
         with self._lock:
             views = self._fragments_of(learner_id)
-            copies = views.get(fragment, {})
-            base = copies.get(have_version) if have_version >= 0 else None
+            if have_digest:
+                held = [a for _, a in arrays]
+                if have_version != version or codec.held_digest(held) != have_digest:
+                    base = None
+                else:
+                    base = [a.copy() for a in held]
+                    views[fragment] = {version: base}
+                    # nothing changed since the learner's copy: a change of zeros, compressed to
+                    # next to nothing whatever the codec
+                    zeros = [(n, np.zeros_like(a)) for n, a in arrays]
+                    return codec.encode(zeros, self.codec, self.block_size, compression="zstd"), version
+            else:
+                copies = views.get(fragment, {})
+                base = copies.get(have_version) if have_version >= 0 else None
             if base is None or self.codec == "fp32":
                 enc = codec.encode(arrays, "fp32")
                 views[fragment] = {version: [a.copy() for _, a in arrays]}

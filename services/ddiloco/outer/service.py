@@ -267,12 +267,20 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                 f"pace_ms={request.pace_ms} is above {self.max_pace_ms}: one fragment slot (H/P steps) "
                 "at the slowest step the run admits (a lease)",
             )
+        if request.have_digest and len(request.have_digest) != codec.HELD_DIGEST_BYTES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"have_digest must be empty or the {codec.HELD_DIGEST_BYTES}-byte SHA-256 of the copy held, "
+                f"got {len(request.have_digest)} bytes",
+            )
         with refusals_as_status(context):
             svc.state.fragment(request.fragment)  # not a fragment of the run, or of this shard
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
-        enc, base = svc.downloads.encode_for(request.learner_id, request.fragment, request.have_version, version, arrays)
+        enc, base = svc.downloads.encode_for(
+            request.learner_id, request.fragment, request.have_version, version, arrays, request.have_digest,
+        )
         header = outer_pb2.GlobalHeader(
             version=version, payload=payload_info(enc), tokens_merged=tokens_merged, fragment=request.fragment,
             base_version=base,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ddiloco.v1 import common_pb2 as ddiloco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x64iloco/v1/outer.proto\x12\nddiloco.v1\x1a\x17\x64\x64iloco/v1/common.proto\"7\n\x13ReadFragmentRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\"\x81\x02\n\x0b\x44\x65ltaHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0b\n\x03seq\x18\x06 \x01(\x03\x12(\n\x07payload\x18\x07 \x01(\x0b\x32\x17.ddiloco.v1.PayloadInfo\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x10\n\x08\x66ragment\x18\t \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\n \x01(\x01\x12\x0e\n\x06offset\x18\x0b \x01(\x03\x12\x13\n\x0bmore_queued\x18\x0c \x01(\x08\"C\n\nDeltaChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.DeltaHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"e\n\x11PushDeltaResponse\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.ddiloco.v1.PushOutcome\x12\x16\n\x0eglobal_version\x18\x02 \x01(\x03\x12\x0e\n\x06weight\x18\x03 \x01(\x01\">\n\x13UploadOffsetRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.DeltaHeader\"&\n\x14UploadOffsetResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x03\"p\n\x11PullGlobalRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\x05\x12\x0f\n\x07pace_ms\x18\x05 \x01(\r\"\x88\x01\n\x0cGlobalHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.ddiloco.v1.PayloadInfo\x12\x15\n\rtokens_merged\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\"E\n\x0bGlobalChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.ddiloco.v1.GlobalHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"9\n\rStatusRequest\x12\x17\n\x0fwait_newer_than\x18\x01 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\xb1\x01\n\x11LearnerMergeStats\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x64\x65ltas_accepted\x18\x02 \x01(\x03\x12\x15\n\rdeltas_merged\x18\x03 \x01(\x03\x12\x16\n\x0e\x64\x65ltas_refused\x18\x04 \x01(\x03\x12\x15\n\rtokens_merged\x18\x05 \x01(\x03\x12\x10\n\x08last_seq\x18\x06 \x01(\x03\x12\x17\n\x0ftokens_accepted\x18\x07 \x01(\x03\"\xd9\x02\n\x0e\x46ragmentStatus\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtokens_merged\x18\x03 \x01(\x03\x12\x12\n\nparameters\x18\x04 \x01(\x03\x12J\n\x11merged_by_learner\x18\x05 \x03(\x0b\x32/.ddiloco.v1.FragmentStatus.MergedByLearnerEntry\x12\x41\n\x0clead_seconds\x18\x06 \x03(\x0b\x32+.ddiloco.v1.FragmentStatus.LeadSecondsEntry\x1a\x36\n\x14MergedByLearnerEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10LeadSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x91\x03\n\x0bOuterStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x13\n\x0bouter_steps\x18\x04 \x01(\x03\x12\x15\n\rtokens_merged\x18\x05 \x01(\x03\x12\x16\n\x0epending_deltas\x18\x06 \x01(\x03\x12/\n\x08learners\x18\x07 \x03(\x0b\x32\x1d.ddiloco.v1.LearnerMergeStats\x12\x19\n\x11initial_eval_loss\x18\x08 \x01(\x01\x12\x16\n\x0elast_eval_loss\x18\t \x01(\x01\x12\x1a\n\x12last_eval_accuracy\x18\n \x01(\x01\x12\x19\n\x11last_eval_version\x18\x0b \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0c \x01(\x03\x12\x12\n\nbytes_sent\x18\r \x01(\x03\x12\x18\n\x10model_parameters\x18\x0e \x01(\x03\x12-\n\tfragments\x18\x0f \x03(\x0b\x32\x1a.ddiloco.v1.FragmentStatus\"\x11\n\x0f\x46inalizeRequest\"q\n\x10\x46inalizeResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.OuterStatus\x12\x17\n\x0f\x66inal_eval_loss\x18\x02 \x01(\x01\x12\x1b\n\x13\x66inal_eval_accuracy\x18\x03 \x01(\x01*F\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15PUSH_OUTCOME_ACCEPTED\x10\x01\x32\xc5\x03\n\x0eOuterOptimizer\x12\x44\n\tPushDelta\x12\x16.ddiloco.v1.DeltaChunk\x1a\x1d.ddiloco.v1.PushDeltaResponse(\x01\x12\x46\n\nPullGlobal\x12\x1d.ddiloco.v1.PullGlobalRequest\x1a\x17.ddiloco.v1.GlobalChunk0\x01\x12?\n\tGetStatus\x12\x19.ddiloco.v1.StatusRequest\x1a\x17.ddiloco.v1.OuterStatus\x12\x45\n\x08\x46inalize\x12\x1b.ddiloco.v1.FinalizeRequest\x1a\x1c.ddiloco.v1.FinalizeResponse\x12Q\n\x0cUploadOffset\x12\x1f.ddiloco.v1.UploadOffsetRequest\x1a .ddiloco.v1.UploadOffsetResponse\x12J\n\x0cReadFragment\x12\x1f.ddiloco.v1.ReadFragmentRequest\x1a\x17.ddiloco.v1.GlobalChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x64iloco/v1/outer.proto\x12\nddiloco.v1\x1a\x17\x64\x64iloco/v1/common.proto\"7\n\x13ReadFragmentRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x66ragment\x18\x02 \x01(\x05\"\x81\x02\n\x0b\x44\x65ltaHeader\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12\x13\n\x0binner_steps\x18\x05 \x01(\x03\x12\x0b\n\x03seq\x18\x06 \x01(\x03\x12(\n\x07payload\x18\x07 \x01(\x0b\x32\x17.ddiloco.v1.PayloadInfo\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x10\n\x08\x66ragment\x18\t \x01(\x05\x12\x17\n\x0f\x63ompute_seconds\x18\n \x01(\x01\x12\x0e\n\x06offset\x18\x0b \x01(\x03\x12\x13\n\x0bmore_queued\x18\x0c \x01(\x08\"C\n\nDeltaChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.DeltaHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"e\n\x11PushDeltaResponse\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.ddiloco.v1.PushOutcome\x12\x16\n\x0eglobal_version\x18\x02 \x01(\x03\x12\x0e\n\x06weight\x18\x03 \x01(\x01\">\n\x13UploadOffsetRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.DeltaHeader\"&\n\x14UploadOffsetResponse\x12\x0e\n\x06offset\x18\x01 \x01(\x03\"\x85\x01\n\x11PullGlobalRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\x05\x12\x0f\n\x07pace_ms\x18\x05 \x01(\r\x12\x13\n\x0bhave_digest\x18\x06 \x01(\x0c\"\x88\x01\n\x0cGlobalHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12(\n\x07payload\x18\x02 \x01(\x0b\x32\x17.ddiloco.v1.PayloadInfo\x12\x15\n\rtokens_merged\x18\x03 \x01(\x03\x12\x10\n\x08\x66ragment\x18\x04 \x01(\x05\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\"E\n\x0bGlobalChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.ddiloco.v1.GlobalHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"9\n\rStatusRequest\x12\x17\n\x0fwait_newer_than\x18\x01 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"\xb1\x01\n\x11LearnerMergeStats\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x17\n\x0f\x64\x65ltas_accepted\x18\x02 \x01(\x03\x12\x15\n\rdeltas_merged\x18\x03 \x01(\x03\x12\x16\n\x0e\x64\x65ltas_refused\x18\x04 \x01(\x03\x12\x15\n\rtokens_merged\x18\x05 \x01(\x03\x12\x10\n\x08last_seq\x18\x06 \x01(\x03\x12\x17\n\x0ftokens_accepted\x18\x07 \x01(\x03\"\xd9\x02\n\x0e\x46ragmentStatus\x12\x10\n\x08\x66ragment\x18\x01 \x01(\x05\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rtokens_merged\x18\x03 \x01(\x03\x12\x12\n\nparameters\x18\x04 \x01(\x03\x12J\n\x11merged_by_learner\x18\x05 \x03(\x0b\x32/.ddiloco.v1.FragmentStatus.MergedByLearnerEntry\x12\x41\n\x0clead_seconds\x18\x06 \x03(\x0b\x32+.ddiloco.v1.FragmentStatus.LeadSecondsEntry\x1a\x36\n\x14MergedByLearnerEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x32\n\x10LeadSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x91\x03\n\x0bOuterStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x13\n\x0bouter_steps\x18\x04 \x01(\x03\x12\x15\n\rtokens_merged\x18\x05 \x01(\x03\x12\x16\n\x0epending_deltas\x18\x06 \x01(\x03\x12/\n\x08learners\x18\x07 \x03(\x0b\x32\x1d.ddiloco.v1.LearnerMergeStats\x12\x19\n\x11initial_eval_loss\x18\x08 \x01(\x01\x12\x16\n\x0elast_eval_loss\x18\t \x01(\x01\x12\x1a\n\x12last_eval_accuracy\x18\n \x01(\x01\x12\x19\n\x11last_eval_version\x18\x0b \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x0c \x01(\x03\x12\x12\n\nbytes_sent\x18\r \x01(\x03\x12\x18\n\x10model_parameters\x18\x0e \x01(\x03\x12-\n\tfragments\x18\x0f \x03(\x0b\x32\x1a.ddiloco.v1.FragmentStatus\"\x11\n\x0f\x46inalizeRequest\"q\n\x10\x46inalizeResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.ddiloco.v1.OuterStatus\x12\x17\n\x0f\x66inal_eval_loss\x18\x02 \x01(\x01\x12\x1b\n\x13\x66inal_eval_accuracy\x18\x03 \x01(\x01*F\n\x0bPushOutcome\x12\x1c\n\x18PUSH_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15PUSH_OUTCOME_ACCEPTED\x10\x01\x32\xc5\x03\n\x0eOuterOptimizer\x12\x44\n\tPushDelta\x12\x16.ddiloco.v1.DeltaChunk\x1a\x1d.ddiloco.v1.PushDeltaResponse(\x01\x12\x46\n\nPullGlobal\x12\x1d.ddiloco.v1.PullGlobalRequest\x1a\x17.ddiloco.v1.GlobalChunk0\x01\x12?\n\tGetStatus\x12\x19.ddiloco.v1.StatusRequest\x1a\x17.ddiloco.v1.OuterStatus\x12\x45\n\x08\x46inalize\x12\x1b.ddiloco.v1.FinalizeRequest\x1a\x1c.ddiloco.v1.FinalizeResponse\x12Q\n\x0cUploadOffset\x12\x1f.ddiloco.v1.UploadOffsetRequest\x1a .ddiloco.v1.UploadOffsetResponse\x12J\n\x0cReadFragment\x12\x1f.ddiloco.v1.ReadFragmentRequest\x1a\x17.ddiloco.v1.GlobalChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAGMENTSTATUS_MERGEDBYLEARNERENTRY']._serialized_options = b'8\001'
   _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._loaded_options = None
   _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_PUSHOUTCOME']._serialized_start=2105
-  _globals['_PUSHOUTCOME']._serialized_end=2175
+  _globals['_PUSHOUTCOME']._serialized_start=2127
+  _globals['_PUSHOUTCOME']._serialized_end=2197
   _globals['_READFRAGMENTREQUEST']._serialized_start=63
   _globals['_READFRAGMENTREQUEST']._serialized_end=118
   _globals['_DELTAHEADER']._serialized_start=121
@@ -50,28 +50,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPLOADOFFSETREQUEST']._serialized_end=614
   _globals['_UPLOADOFFSETRESPONSE']._serialized_start=616
   _globals['_UPLOADOFFSETRESPONSE']._serialized_end=654
-  _globals['_PULLGLOBALREQUEST']._serialized_start=656
-  _globals['_PULLGLOBALREQUEST']._serialized_end=768
-  _globals['_GLOBALHEADER']._serialized_start=771
-  _globals['_GLOBALHEADER']._serialized_end=907
-  _globals['_GLOBALCHUNK']._serialized_start=909
-  _globals['_GLOBALCHUNK']._serialized_end=978
-  _globals['_STATUSREQUEST']._serialized_start=980
-  _globals['_STATUSREQUEST']._serialized_end=1037
-  _globals['_LEARNERMERGESTATS']._serialized_start=1040
-  _globals['_LEARNERMERGESTATS']._serialized_end=1217
-  _globals['_FRAGMENTSTATUS']._serialized_start=1220
-  _globals['_FRAGMENTSTATUS']._serialized_end=1565
-  _globals['_FRAGMENTSTATUS_MERGEDBYLEARNERENTRY']._serialized_start=1459
-  _globals['_FRAGMENTSTATUS_MERGEDBYLEARNERENTRY']._serialized_end=1513
-  _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._serialized_start=1515
-  _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._serialized_end=1565
-  _globals['_OUTERSTATUS']._serialized_start=1568
-  _globals['_OUTERSTATUS']._serialized_end=1969
-  _globals['_FINALIZEREQUEST']._serialized_start=1971
-  _globals['_FINALIZEREQUEST']._serialized_end=1988
-  _globals['_FINALIZERESPONSE']._serialized_start=1990
-  _globals['_FINALIZERESPONSE']._serialized_end=2103
-  _globals['_OUTEROPTIMIZER']._serialized_start=2178
-  _globals['_OUTEROPTIMIZER']._serialized_end=2631
+  _globals['_PULLGLOBALREQUEST']._serialized_start=657
+  _globals['_PULLGLOBALREQUEST']._serialized_end=790
+  _globals['_GLOBALHEADER']._serialized_start=793
+  _globals['_GLOBALHEADER']._serialized_end=929
+  _globals['_GLOBALCHUNK']._serialized_start=931
+  _globals['_GLOBALCHUNK']._serialized_end=1000
+  _globals['_STATUSREQUEST']._serialized_start=1002
+  _globals['_STATUSREQUEST']._serialized_end=1059
+  _globals['_LEARNERMERGESTATS']._serialized_start=1062
+  _globals['_LEARNERMERGESTATS']._serialized_end=1239
+  _globals['_FRAGMENTSTATUS']._serialized_start=1242
+  _globals['_FRAGMENTSTATUS']._serialized_end=1587
+  _globals['_FRAGMENTSTATUS_MERGEDBYLEARNERENTRY']._serialized_start=1481
+  _globals['_FRAGMENTSTATUS_MERGEDBYLEARNERENTRY']._serialized_end=1535
+  _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._serialized_start=1537
+  _globals['_FRAGMENTSTATUS_LEADSECONDSENTRY']._serialized_end=1587
+  _globals['_OUTERSTATUS']._serialized_start=1590
+  _globals['_OUTERSTATUS']._serialized_end=1991
+  _globals['_FINALIZEREQUEST']._serialized_start=1993
+  _globals['_FINALIZEREQUEST']._serialized_end=2010
+  _globals['_FINALIZERESPONSE']._serialized_start=2012
+  _globals['_FINALIZERESPONSE']._serialized_end=2125
+  _globals['_OUTEROPTIMIZER']._serialized_start=2200
+  _globals['_OUTEROPTIMIZER']._serialized_end=2653
 # @@protoc_insertion_point(module_scope)

@@ -82,18 +82,20 @@ class UploadOffsetResponse(_message.Message):
     def __init__(self, offset: _Optional[int] = ...) -> None: ...
 
 class PullGlobalRequest(_message.Message):
-    __slots__ = ("run_id", "learner_id", "have_version", "fragment", "pace_ms")
+    __slots__ = ("run_id", "learner_id", "have_version", "fragment", "pace_ms", "have_digest")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     PACE_MS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     have_version: int
     fragment: int
     pace_ms: int
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., have_version: _Optional[int] = ..., fragment: _Optional[int] = ..., pace_ms: _Optional[int] = ...) -> None: ...
+    have_digest: bytes
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., have_version: _Optional[int] = ..., fragment: _Optional[int] = ..., pace_ms: _Optional[int] = ..., have_digest: _Optional[bytes] = ...) -> None: ...
 
 class GlobalHeader(_message.Message):
     __slots__ = ("version", "payload", "tokens_merged", "fragment", "base_version")

@@ -1,0 +1,100 @@
+"""A learner that built the run's initial model itself does not download it
+(``PullGlobalRequest.have_digest``, ddiloco.outer.downloads), against a real outer
+optimizer over gRPC.
+
+* Claiming version 0 with the digest of the seeded model, while the fragment is at version
+  0, gets the change since that copy: zeros, in a payload of a few hundred bytes instead of
+  the full fragment, and the claimed copy becomes the learner's view, from which later
+  downloads are changes.
+* A digest of another copy, or the right one once the fragment has moved past version 0,
+  gets the full fragment, as a pull without a claim does; a digest that is not 32 bytes is
+  INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from ddiloco.common import codec
+from ddiloco.common.config import RunConfig
+from ddiloco.common.fragments import partition
+from ddiloco.common.model import build_model
+from ddiloco.common.rpc import channel
+from ddiloco.common.transport import OuterClient
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2
+
+RUN = "held-run"
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    from outer_helpers import serving_run
+
+    for cluster, ids in serving_run(tmp_path_factory.mktemp("held"), RUN):
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+        cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
+        yield cluster, ids, cfg
+
+
+def seeded_fragment(cfg: RunConfig, fragment: int = 0) -> list[tuple[str, np.ndarray]]:
+    """What a learner builds from the run's configuration, as its fragment's arrays."""
+    named = [(n, p.detach().numpy().copy()) for n, p in build_model(cfg.model, cfg.seed).named_parameters()]
+    ids = partition([a.size for _, a in named], cfg.fragments)[fragment]
+    return [named[i] for i in ids]
+
+
+def test_a_learner_holding_the_current_version_downloads_next_to_nothing(system):
+    cluster, (a, b), cfg = system
+    mine = seeded_fragment(cfg)
+    full = OuterClient(cluster.outer_address, RUN, b).pull(0, -1, timeout=30)
+    assert full.base_version == -1 and full.version == 0
+    for (_, x), (_, y) in zip(full.arrays, mine):
+        np.testing.assert_array_equal(x, y)  # the outer's version 0 is the seeded model
+
+    got = OuterClient(cluster.outer_address, RUN, a).pull(0, 0, timeout=30, have_digest=codec.held_digest([x for _, x in mine]))
+    assert got.base_version == 0 and got.version == 0
+    assert all(not d.any() for _, d in got.arrays)  # nothing changed since the learner's copy
+    assert got.nbytes < full.nbytes / 100, (got.nbytes, full.nbytes)
+
+
+def test_another_copy_or_a_malformed_digest_gets_the_full_fragment_or_a_refusal(system):
+    cluster, (a, _), cfg = system
+    client = OuterClient(cluster.outer_address, RUN, a)
+    other = [x + 1e-3 for _, x in seeded_fragment(cfg)]
+    got = client.pull(0, 0, timeout=30, have_digest=codec.held_digest(other))
+    assert got.base_version == -1
+    with pytest.raises(grpc.RpcError) as info:
+        client.pull_payload(0, 0, timeout=30, have_digest=b"\x00" * 31)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "32-byte" in info.value.details()
+
+
+def test_once_the_fragment_moved_on_the_seeded_copy_is_not_enough_and_a_held_view_serves_changes(system):
+    from support import wait_until
+
+    cluster, (a, b), cfg = system
+    mine = seeded_fragment(cfg)
+    digest = codec.held_digest([x for _, x in mine])
+    # learner a's view is the seeded copy it claimed; learner b merges a delta (quorum 1 of 2)
+    assert OuterClient(cluster.outer_address, RUN, a).pull(0, 0, timeout=30, have_digest=digest).base_version == 0
+    client_b = OuterClient(cluster.outer_address, RUN, b)
+    g = client_b.pull(0, -1, timeout=30)
+    rng = np.random.default_rng(0)
+    delta = [(n, rng.uniform(-1e-3, 1e-3, size=x.shape).astype(np.float32)) for n, x in g.arrays]
+    window_tokens = cfg.learner.inner_steps * cfg.learner.batch_size * cfg.model.context
+    resp = client_b.push(codec.encode(delta, "fp32"), seq=1, base_version=g.version, tokens=window_tokens,
+                         inner_steps=cfg.learner.inner_steps, loss=3.0, timeout=60)
+    assert resp.outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
+    wait_until(lambda: client_b.status().version > 0, 60, "the merge")
+
+    now = client_b.pull(0, -1, timeout=30)
+    assert now.version > 0
+    late = OuterClient(cluster.outer_address, RUN, b).pull(0, 0, timeout=30, have_digest=digest)
+    assert late.base_version == -1  # a newcomer now needs the fragment as it is
+    for (_, x), (_, y) in zip(late.arrays, now.arrays):
+        np.testing.assert_array_equal(x, y)
+    change = OuterClient(cluster.outer_address, RUN, a).pull(0, 0, timeout=30)
+    assert change.base_version == 0  # learner a's view is the copy it claimed: a change, quantized
+    for (_, d), (_, x), (_, y) in zip(change.arrays, mine, now.arrays):
+        np.testing.assert_allclose(x + d, y, atol=2e-3 / 127 * 2)  # within int8's step of the change
