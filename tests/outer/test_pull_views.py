@@ -97,3 +97,22 @@ def test_pulls_for_unregistered_ids_are_refused_and_keep_no_copy(cluster_factory
     grown_mib = (_rss_kib(outer.popen.pid) - rss0) / 1024
     assert grown_mib < 64, f"resident memory grew {grown_mib:.0f} MiB over 1,500 refused pulls"
     assert learner.global_state() == before
+
+
+def test_learners_joining_on_one_version_cost_one_hash_of_it_and_a_new_version_one_more(monkeypatch):
+    """A copy a learner names by digest (its seeded model) is checked against the current
+    version's digest, computed once per version of the fragment however many learners join."""
+    from ddiloco.common import codec
+
+    calls = []
+    real = codec.held_digest
+    monkeypatch.setattr(codec, "held_digest", lambda held: calls.append(1) or real(held))
+    views = DownloadViews("int8", 64, max_learners=8)
+    v0 = _arrays(0)
+    mine = real([a for _, a in v0])
+    for learner in range(4):
+        enc, base = views.encode_for(learner, 0, 0, 0, v0, have_digest=mine)
+        assert base == 0 and len(enc.payload) < 200  # a change of nothing
+    assert len(calls) == 1
+    _, base = views.encode_for(5, 0, 1, 1, _arrays(1), have_digest=mine)
+    assert base == -1 and len(calls) == 2  # another version: hashed again, and not the copy named

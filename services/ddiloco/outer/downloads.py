@@ -43,6 +43,9 @@ class DownloadViews:
         # learner -> fragment -> {version: copy}; order is recency of the learner's last pull
         self._views: OrderedDict[int, dict[int, dict[int, list[np.ndarray]]]] = OrderedDict()
         self.evicted = 0
+        # fragment -> (version, held_digest of it): every learner that joins names the same
+        # copy, so a fragment is hashed once per version, not once per learner
+        self._digests: dict[int, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -64,6 +67,12 @@ class DownloadViews:
         self._views.move_to_end(learner_id)
         return views
 
+    def _digest(self, fragment: int, version: int, held: list[np.ndarray]) -> bytes:
+        cached = self._digests.get(fragment)
+        if cached is None or cached[0] != version:
+            cached = self._digests[fragment] = (version, codec.held_digest(held))
+        return cached[1]
+
     def encode_for(
         self, learner_id: int, fragment: int, have_version: int, version: int, arrays: list[tuple[str, np.ndarray]],
         have_digest: bytes = b"",
@@ -82,7 +91,7 @@ class DownloadViews:
             views = self._fragments_of(learner_id)
             if have_digest:
                 held = [a for _, a in arrays]
-                if have_version != version or codec.held_digest(held) != have_digest:
+                if have_version != version or self._digest(fragment, version, held) != have_digest:
                     base = None
                 else:
                     base = [a.copy() for a in held]
