@@ -39,18 +39,21 @@ def aborted(call) -> str:
     return info.value.details()
 
 
-def taken_over(stub) -> int:
-    """Process "old" holds an id, falls silent past its lease, and process "new" takes the id."""
+def wait_expired(stub, learner_id: int) -> None:
     from support import wait_until
-
-    announce_outer(stub)
-    old = register(stub, token="old")
 
     def expired():
         m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
-        return not {x.learner_id: x.alive for x in m.members}[old.learner_id]
+        return not {x.learner_id: x.alive for x in m.members}[learner_id]
 
-    wait_until(expired, 20, "the old process's lease to expire", interval=0.1)
+    wait_until(expired, 20, f"learner {learner_id}'s lease to expire", interval=0.1)
+
+
+def taken_over(stub) -> int:
+    """Process "old" holds an id, falls silent past its lease, and process "new" takes the id."""
+    announce_outer(stub)
+    old = register(stub, token="old")
+    wait_expired(stub, old.learner_id)
     new = register(stub, requested=old.learner_id, token="new")
     assert new.learner_id == old.learner_id
     beat(stub, new.learner_id, "new", tokens=512)
@@ -79,17 +82,10 @@ def test_the_old_process_cannot_leave_for_its_successor(coordinator):
 def test_a_process_whose_lease_expired_but_kept_its_id_beats_on(coordinator):
     """Cut off past its lease with nobody in its place: still its id, so its heartbeat is
     welcome (alive again), as before."""
-    from support import wait_until
-
     _, stub = coordinator
     announce_outer(stub)
     me = register(stub, token="only")
-
-    def expired():
-        m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
-        return not {x.learner_id: x.alive for x in m.members}[me.learner_id]
-
-    wait_until(expired, 20, "the lease to expire", interval=0.1)
+    wait_expired(stub, me.learner_id)
     beat(stub, me.learner_id, "only", tokens=256)
     m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
     assert {x.learner_id: (x.alive, x.incarnation) for x in m.members}[me.learner_id] == (True, 1)

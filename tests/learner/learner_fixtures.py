@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import numpy as np
 import pytest
 
-from ddiloco.common.config import LearnerConfig
+from ddiloco.common.config import LearnerConfig, RunConfig
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner.puller import Puller
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import Supervisor
 from ddiloco.learner.uploader import Uploader, Window
+from ddiloco.learner.worker import Learner
 
 from outer_fake import FakeOuter
 
@@ -93,3 +95,17 @@ def rig(tmp_path):
     r = Rig(tmp_path)
     yield r
     r.close()
+
+
+def heartbeat_learner(run_id: str, learner_id: int, heartbeat_s: float = 0.0) -> Learner:
+    """A real ``Learner`` holding only what its heartbeat thread reads (built without its
+    ``__init__``: no sockets, no model), in training, as process "this-process"."""
+    learner = Learner.__new__(Learner)
+    learner.stop_event, learner.drain = threading.Event(), threading.Event()
+    learner.heartbeat_s = heartbeat_s
+    learner.config = RunConfig()
+    learner.run_id, learner.learner_id, learner.instance_token = run_id, learner_id, "this-process"
+    learner.stats = Stats()
+    learner.phase, learner.train_started = "training", None
+    learner.superseded = False
+    return learner

@@ -20,7 +20,6 @@ import pytest
 from ddiloco.common.config import RunConfig
 from ddiloco.common.errors import InvalidArgument
 from ddiloco.coordinator.stats_rules import Bounds, check_report, stats_to_dict
-from ddiloco.learner.stats import Stats
 from ddiloco.learner.worker import Learner
 from ddiloco.v1 import coordinator_pb2
 
@@ -37,13 +36,9 @@ class RecordingCoordinator:
 
 
 def _learner_blocked_in_training(seconds_ago: float) -> Learner:
-    learner = Learner.__new__(Learner)  # only what the heartbeat thread reads
-    learner.stop_event, learner.drain = threading.Event(), threading.Event()
-    learner.heartbeat_s = 0.05
-    learner.config = RunConfig()
-    learner.run_id, learner.learner_id, learner.instance_token = "hb", 0, "t"
-    learner.stats = Stats()
-    learner.phase = "training"
+    from learner_fixtures import heartbeat_learner
+
+    learner = heartbeat_learner("hb", 0, heartbeat_s=0.05)
     learner.train_started = time.monotonic() - seconds_ago
     learner._set_outer = lambda addresses, registrations=None: None
     return learner

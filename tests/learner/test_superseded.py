@@ -13,11 +13,9 @@ import threading
 
 import grpc
 
-from ddiloco.common.config import RunConfig
 from ddiloco.common.metrics import MetricsLog
-from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import Supervisor
-from ddiloco.learner.worker import Learner
+from learner_fixtures import heartbeat_learner
 
 
 class Aborted(grpc.RpcError):
@@ -47,14 +45,7 @@ class RecordingUploader:
 
 
 def test_a_superseded_learner_stops_its_uploads_before_draining_and_fails_loudly():
-    learner = Learner.__new__(Learner)  # only what the heartbeat thread reads
-    learner.stop_event, learner.drain = threading.Event(), threading.Event()
-    learner.heartbeat_s = 0.0
-    learner.config = RunConfig()
-    learner.run_id, learner.learner_id, learner.instance_token = "run", 3, "this-process"
-    learner.stats = Stats()
-    learner.phase, learner.train_started = "training", None
-    learner.superseded = False
+    learner = heartbeat_learner("run", 3)
     learner.metrics = MetricsLog(None, "learner")
     learner.supervisor = Supervisor("learner", on_failure=learner.drain.set)
     learner.coordinator = AbortingCoordinator()

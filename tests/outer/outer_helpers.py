@@ -157,3 +157,13 @@ def serving_run(folder: pathlib.Path, run_id: str, learners: int = 2):
         yield cluster, register(cluster.coordinator_address, learners)
     finally:
         cluster.stop_all()
+
+
+def serving_run_with_config(folder: pathlib.Path, run_id: str, learners: int = 2):
+    """``serving_run``, yielding (cluster, ids, the run's RunConfig as the coordinator serves it)."""
+    from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    for cluster, ids in serving_run(folder, run_id, learners):
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
+        cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
+        yield cluster, ids, cfg

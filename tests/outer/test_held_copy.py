@@ -21,21 +21,17 @@ from ddiloco.common import codec
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
 from ddiloco.common.model import build_model
-from ddiloco.common.rpc import channel
 from ddiloco.common.transport import OuterClient
-from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2
+from ddiloco.v1 import outer_pb2
 
 RUN = "held-run"
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    from outer_helpers import serving_run
+    from outer_helpers import serving_run_with_config
 
-    for cluster, ids in serving_run(tmp_path_factory.mktemp("held"), RUN):
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
-        cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
-        yield cluster, ids, cfg
+    yield from serving_run_with_config(tmp_path_factory.mktemp("held"), RUN)
 
 
 def seeded_fragment(cfg: RunConfig, fragment: int = 0) -> list[tuple[str, np.ndarray]]:

@@ -17,23 +17,19 @@ import numpy as np
 import pytest
 
 from ddiloco.common import codec
-from ddiloco.common.config import RunConfig
 from ddiloco.common.paced import Pace, chunk_bytes_for, max_pace_seconds
 from ddiloco.common.rpc import channel
 from ddiloco.common.transport import OuterClient
-from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 RUN = "paced-run"
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    from outer_helpers import serving_run
+    from outer_helpers import serving_run_with_config
 
-    for cluster, ids in serving_run(tmp_path_factory.mktemp("paced"), RUN):
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel(cluster.coordinator_address))
-        cfg = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
-        yield cluster, ids, cfg
+    yield from serving_run_with_config(tmp_path_factory.mktemp("paced"), RUN)
 
 
 def pull_stream(address: str, learner: int, pace_ms: int, timeout: float = 30.0):
