@@ -357,8 +357,9 @@ class Learner:
         self.batches = strided(workload.train_batches(*shard, self.batch_index), self.ranks)
         last_seqs = [next((r.last_seq for r in st.learners if r.learner_id == self.learner_id), 0) for st in statuses]
         # the model this process built from the run's seed, offered as each fragment's version
-        # 0: one that is still there is not downloaded (outer/downloads.py)
-        held = [[(self.names[i], self.params[i].detach().cpu().numpy().copy()) for i in ids] for ids in self.fragments]
+        # 0: one that is still there is not downloaded (outer/downloads.py). Views of the
+        # parameters (on a CPU device): the puller keeps its own copy, taken before any step
+        held = [[(self.names[i], self.params[i].detach().cpu().numpy()) for i in ids] for ids in self.fragments]
         copies = call_with_retry(
             lambda: self.puller.pull_all(stop=self.drain, held=held), what="initial pull", max_elapsed=300, stop=self.drain
         )
