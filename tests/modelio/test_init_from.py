@@ -30,6 +30,29 @@ def test_the_outer_optimizer_starts_from_the_given_model(run, tmp_path):  # noqa
         assert all(f.optimizer.buffers is None for f in warm.fragments), "momentum starts at zero"
 
 
+def test_learners_of_a_warm_started_run_download_the_given_model_not_their_seeded_one(run, tmp_path):  # noqa: F811
+    """A learner offers the model it built from the run's seed as its start-up copy
+    (``have_digest``, outer/downloads.py); a warm start's version 0 is another model, so the
+    offer is declined and the learner gets the given model in full."""
+    from ddiloco.common import codec
+    from ddiloco.common.fragments import partition
+    from ddiloco.common.model import build_model
+    from ddiloco.outer.downloads import DownloadViews
+
+    folder, trained, _ = run
+    cfg = _config()
+    cfg.run_id, cfg.init_from = "warm", str(folder)
+    warm = OuterState(cfg, tmp_path / "warm")
+    seeded = [p.detach().numpy() for p in build_model(cfg.model, cfg.seed).parameters()]
+    ids = partition([a.size for a in seeded], cfg.fragments)[0]
+    version, _, arrays = warm.snapshot(0)
+    enc, base = DownloadViews(cfg.learner.codec, cfg.learner.block_size, 4).encode_for(
+        0, 0, 0, version, arrays, have_digest=codec.held_digest([seeded[i] for i in ids]))
+    assert version == 0 and base == -1  # the full fragment
+    for (_, got), (_, given) in zip(codec.decode_encoded(enc), arrays):
+        assert torch.equal(torch.from_numpy(got), torch.from_numpy(given))
+
+
 def test_a_runs_own_checkpoint_wins_over_the_warm_start(run, tmp_path):  # noqa: F811
     folder, _, _ = run
     cfg = _config()
