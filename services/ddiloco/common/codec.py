@@ -131,11 +131,12 @@ def held_digest(arrays) -> bytes:
     """SHA-256 of float arrays' float32 values, in order (numpy, or torch on any device): how
     a learner names a copy of a fragment it holds without sending it
     (``PullGlobalRequest.have_digest``). Shapes and names are not in it; the run's model
-    signature already fixed them at registration."""
+    signature already fixed them at registration. The model signature's ``values_sha256``
+    is the same digest over the whole model."""
     h = hashlib.sha256()
     for arr in arrays:
         t, _ = _flat(arr)
-        h.update(t.cpu().numpy().tobytes())
+        h.update(t.cpu().numpy())  # the contiguous float32 buffer itself, not a copy of it
     return h.digest()
 
 

@@ -40,11 +40,11 @@ def signature_of(
 
 
 def values_digest(model) -> str:
-    """SHA-256 of a model's parameters, as float32 bytes in ``named_parameters`` order."""
-    h = hashlib.sha256()
-    for _, p in model.named_parameters():
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    """SHA-256 of a model's parameters, as float32 bytes in ``named_parameters`` order (hex):
+    ``codec.held_digest`` over the whole model."""
+    from ddiloco.common import codec  # imports torch: only where a model exists anyway
+
+    return codec.held_digest([p for _, p in model.named_parameters()]).hex()
 
 
 def _digest(named_shapes) -> str:
