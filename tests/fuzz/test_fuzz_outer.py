@@ -175,7 +175,7 @@ def system(tmp_path_factory):
 
 # ---------------------------------------------------------------- PushDelta requests
 HEADER_POISONS = ["run_id", "learner", "seq_nonpositive", "seq_repeat", "seq_jump", "inner_steps", "tokens",
-                  "compute_seconds", "loss", "base_future", "fragment"]
+                  "compute_seconds", "loss", "base_future", "fragment", "incarnation"]
 STREAM_POISONS = ["truncate", "pad", "flip", "declared_bytes", "sha", "codec", "block_size", "spec_count", "spec_name",
                   "spec_shape", "spec_dtype", "not_zstd", "non_finite", "magnitude", "no_header", "header_repeated",
                   "empty_stream", "format", "compression", "offset"]
@@ -196,6 +196,8 @@ def push_requests(draw, s: System, version: int):
         seq=s.last_seq[learner] + draw(st.integers(1, 1024)), fragment=0,
         # any finite loss is one a window can have; a non-finite one is a poison of its own
         compute_seconds=draw(st.floats(0, s.h * 0.5)), loss=draw(st.floats(allow_nan=False, allow_infinity=False)),
+        # each learner id registered once: its process is incarnation 1 (0: not stated)
+        incarnation=draw(st.sampled_from([0, 1])),
     )
     poisons = draw(st.lists(st.sampled_from(HEADER_POISONS + STREAM_POISONS), min_size=1, max_size=3, unique=True))
     structure = None
@@ -242,6 +244,8 @@ def push_requests(draw, s: System, version: int):
             header.base_version = draw(st.integers(version + 1, (1 << 63) - 1))
         elif p == "fragment":
             header.fragment = draw(int32s().filter(lambda f: f != 0))
+        elif p == "incarnation":  # a process the coordinator never registered, or no process at all
+            header.incarnation = draw(st.one_of(st.integers(-(1 << 31), -1), st.integers(2, (1 << 31) - 1)))
         elif p == "truncate":
             payload = payload[: len(payload) - draw(st.integers(1, len(payload)))]
         elif p == "pad":
@@ -328,7 +332,7 @@ def wild_push(draw):
     header = outer_pb2.DeltaHeader(
         run_id=draw(st.one_of(st.just(RUN_ID), texts())), learner_id=draw(int32s()), base_version=draw(int64s()),
         tokens=draw(int64s()), inner_steps=draw(int64s()), seq=draw(int64s()), payload=info, loss=draw(doubles()),
-        fragment=draw(int32s()), compute_seconds=draw(doubles()),
+        fragment=draw(int32s()), compute_seconds=draw(doubles()), incarnation=draw(int32s()),
     )
     return [outer_pb2.DeltaChunk(header=header, data=payload)]
 
@@ -350,10 +354,11 @@ def pull_requests(s: System):
 def upload_offset_requests(s: System, version: int):
     """Any header: nothing is ever held here (no fuzzed stream breaks), so 0 or a refusal."""
     return st.builds(
-        lambda run_id, learner, seq, offset, size: outer_pb2.UploadOffsetRequest(header=outer_pb2.DeltaHeader(
+        lambda run_id, learner, seq, offset, size, incarnation: outer_pb2.UploadOffsetRequest(header=outer_pb2.DeltaHeader(
             run_id=run_id, learner_id=learner, seq=seq, offset=offset, base_version=version,
-            payload=common_pb2.PayloadInfo(payload_bytes=size))),
+            payload=common_pb2.PayloadInfo(payload_bytes=size), incarnation=incarnation)),
         st.one_of(st.just(RUN_ID), texts()), st.one_of(st.sampled_from(s.ids), int32s()), int64s(), int64s(), int64s(),
+        st.one_of(st.sampled_from([0, 1]), int32s()),
     )
 
 
@@ -365,12 +370,15 @@ def read_requests():
     )
 
 
-def status_requests():
+def status_requests(s: System):
     return st.builds(
         outer_pb2.StatusRequest,
         wait_newer_than=int64s(),
         # a valid wait is kept short: a long poll on a version that never comes is allowed to wait
         wait_ms=st.one_of(st.integers(0, 30), st.integers(10_001, UINT32_MAX)),
+        # a learner reading its position names its process (incarnation 1 here), or any ids
+        learner_id=st.one_of(st.sampled_from(s.ids), int32s()),
+        incarnation=st.one_of(st.sampled_from([0, 1]), int32s()),
     )
 
 
@@ -382,7 +390,7 @@ def requests(s: System, version: int):
         pull_requests(s).map(lambda r: ("PullGlobal", r)),
         upload_offset_requests(s, version).map(lambda r: ("UploadOffset", r)),
         read_requests().map(lambda r: ("ReadFragment", r)),
-        status_requests().map(lambda r: ("GetStatus", r)),
+        status_requests(s).map(lambda r: ("GetStatus", r)),
         st.integers(0, 9).map(lambda _: ("Finalize", outer_pb2.FinalizeRequest())),
         texts(60).map(lambda n: ("Health", health_pb2.HealthCheckRequest(service=n))),
     )
@@ -424,7 +432,12 @@ def test_hostile_requests_get_precise_statuses_and_change_nothing(system, exampl
                 assert resp[0].header.version == version and resp[0].header.base_version == -1
         elif rpc == "GetStatus":
             resp, code = calls.call(lambda: s.stub.GetStatus(req, timeout=30))
-            assert (code == grpc.StatusCode.OK) == (req.wait_ms <= 10_000), (req, code)
+            # a status read that names a process: answered only for a registered id's own
+            # (incarnation 1 here), within that learner's rate
+            named = req.incarnation != 0
+            answerable = req.wait_ms <= 10_000 and (not named or (req.incarnation == 1 and req.learner_id in s.ids))
+            if not (named and code == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                assert (code == grpc.StatusCode.OK) == answerable, (req, code)
         elif rpc == "Finalize":
             _, code = calls.call(lambda: s.stub.Finalize(req, timeout=30))
             assert code == grpc.StatusCode.FAILED_PRECONDITION

@@ -51,15 +51,15 @@ class Rig:
         return c
 
     def uploader(
-        self, outer, learner_id: int = 0, first_seq: int = 1, factory=None, pace=None, **cfg
+        self, outer, learner_id: int = 0, first_seq: int = 1, factory=None, pace=None, on_superseded=None, **cfg
     ) -> tuple[Uploader, Supervisor]:
         """``factory``: the uploader's client factory (default: one client of ``outer``);
-        ``pace``: the uploader's pace (None: link speed)."""
+        ``pace``: the uploader's pace (None: link speed); ``on_superseded`` as for ``Uploader``."""
         client = self.client(outer.address, learner_id)
         metrics_path = self.tmp_path / f"uploader-{len(self.stoppers)}.jsonl"
         up = Uploader(
             LearnerConfig(codec=cfg.pop("codec", "fp32"), inner_steps=H, **cfg), factory or (lambda: client), Stats(),
-            MetricsLog(metrics_path, "learner"), first_seq, learner_id, pace=pace,
+            MetricsLog(metrics_path, "learner"), first_seq, learner_id, pace=pace, on_superseded=on_superseded,
         )
         up.metrics_path = metrics_path
         up.backoff_initial_s, up.backoff_max_s = 0.005, 0.02
@@ -108,4 +108,5 @@ def heartbeat_learner(run_id: str, learner_id: int, heartbeat_s: float = 0.0) ->
     learner.stats = Stats()
     learner.phase, learner.train_started = "training", None
     learner.superseded = False
+    learner.incarnation = 1
     return learner

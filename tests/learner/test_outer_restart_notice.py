@@ -58,6 +58,7 @@ def _learner() -> Learner:
     learner._outer_registrations = None
     learner._client = None
     learner._client_lock = threading.Lock()
+    learner.incarnation = learner._client_incarnation = 1  # as registered: clients name it
     return learner
 
 
@@ -97,3 +98,24 @@ def test_a_new_address_still_wakes_the_uploader_once():
     uploader, clients = _run([("127.0.0.1:9", 1), ("127.0.0.1:10", 2), ("127.0.0.1:10", 2)])
     assert uploader.wakes == 1
     assert [c.address for c in clients] == ["127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:10"]
+
+
+def test_a_new_incarnation_number_gives_a_new_client_whose_deltas_name_it():
+    """A coordinator that lost its state numbers the id afresh when the learner registers
+    again: its deltas must name the new number (the outer optimizer's fence,
+    tests/outer/test_incarnation_fence.py), so the client is replaced."""
+    learner = _learner()
+    learner._set_outer(["127.0.0.1:9"])
+    first = learner._client
+    learner.uploader = RecordingUploader()
+    try:
+        assert first.incarnation == 1
+        learner._set_outer(["127.0.0.1:9"])
+        assert learner._client is first  # nothing changed: the same client
+        learner.incarnation = 3  # as _register sets it from the Register answer
+        learner._set_outer(["127.0.0.1:9"])
+        assert learner._client is not first and learner._client.incarnation == 3
+        assert learner.uploader.wakes == 1
+    finally:
+        first.close()
+        learner._client.close()

@@ -19,7 +19,8 @@ from outer_fake import LOSE_ANSWER
 from support import wait_until
 
 S = grpc.StatusCode
-TRANSIENT = [S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.RESOURCE_EXHAUSTED, S.DATA_LOSS, S.CANCELLED, S.ABORTED]
+# ABORTED is not among them: from the outer optimizer it means another process holds the id
+TRANSIENT = [S.UNAVAILABLE, S.DEADLINE_EXCEEDED, S.RESOURCE_EXHAUSTED, S.DATA_LOSS, S.CANCELLED]
 
 
 def test_transient_statuses_and_corruption_in_transit_are_retried_until_acknowledged(outer, rig):  # noqa: F811
@@ -100,6 +101,32 @@ def test_a_second_process_under_the_same_learner_id_fails_loudly_instead_of_losi
     assert not second.flush(1)  # its window is neither acknowledged nor pretended to be
     assert not first_sup.failed.is_set()
     assert outer.accepted_seqs(0) == [1, 2, 3]
+
+
+def test_an_upload_aborted_as_superseded_stops_the_uploads_and_sends_nothing_more(outer, rig):  # noqa: F811
+    """ABORTED: another process holds this learner id (the outer optimizer's fence,
+    tests/outer/test_incarnation_fence.py). The window in hand and those queued behind it
+    are not sent, nor retried; the learner is told, with the outer optimizer's reason."""
+    told: list[str] = []
+    outer.push_script.append(S.ABORTED)
+    up, sup = rig.uploader(outer, learner_id=5, on_superseded=told.append)
+    up.submit(window(1.0))
+    up.submit(window(2.0, fragment=1))
+    wait_until(lambda: told, 10, "the uploader to report that it was superseded")
+    assert len(told) == 1 and "upload of fragment 0 seq 1" in told[0], told
+    assert not up.flush(1)  # nothing acknowledged, nothing pretended to be
+    assert len(outer.push_attempts) == 1 and outer.accepted == []
+    assert up.stats.get("deltas_acked") == 0
+    assert not sup.failed.is_set()  # the callback decides how the learner stops
+
+
+def test_an_upload_aborted_without_a_callback_fails_the_learner(outer, rig):  # noqa: F811
+    outer.push_script.append(S.ABORTED)
+    up, sup = rig.uploader(outer, learner_id=5)
+    up.submit(window(1.0))
+    wait_until(sup.failed.is_set, 10, "the uploader to fail")
+    assert "refused: ABORTED" in sup.failure
+    assert len(outer.push_attempts) == 1 and outer.accepted == []
 
 
 def test_already_exists_is_not_ours_when_the_last_sequence_is_beyond_it(outer, rig):  # noqa: F811

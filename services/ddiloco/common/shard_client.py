@@ -43,14 +43,15 @@ def read_status(addresses: Sequence[str], security=None, timeout: float = 2.0) -
 
 class ShardedOuterClient:
     def __init__(
-        self, addresses: Sequence[str], run_id: str, learner_id: int, chunk_bytes: int = 1 << 20, security=None
+        self, addresses: Sequence[str], run_id: str, learner_id: int, chunk_bytes: int = 1 << 20, security=None,
+        incarnation: int = 0,
     ) -> None:
         if len(addresses) < 2 or not all(addresses):
             raise ValueError(f"a sharded client needs two or more shard addresses, got {list(addresses)}")
         self.addresses = list(addresses)
         self.run_id = run_id
         self.learner_id = learner_id
-        self.clients = [OuterClient(a, run_id, learner_id, chunk_bytes, security) for a in self.addresses]
+        self.clients = [OuterClient(a, run_id, learner_id, chunk_bytes, security, incarnation) for a in self.addresses]
         self._last: list[outer_pb2.OuterStatus | None] = [None] * len(self.clients)
         self._lock = threading.Lock()
 
@@ -86,9 +87,10 @@ class ShardedOuterClient:
             self._last = list(statuses)
         return combine_statuses(statuses)
 
-    def shard_statuses(self, timeout: float = 3.0) -> list[outer_pb2.OuterStatus]:
-        """Every shard's own status, asked at once; raises the first error (all must answer)."""
-        futures = [c.status_future(timeout) for c in self.clients]
+    def shard_statuses(self, timeout: float = 3.0, position: bool = False) -> list[outer_pb2.OuterStatus]:
+        """Every shard's own status, asked at once; raises the first error (all must answer).
+        ``position`` as for ``OuterClient.status``, at every shard."""
+        futures = [c.status_future(timeout, position=position) for c in self.clients]
         return [f.result() for f in futures]
 
     def _long_poll(self, last: list[outer_pb2.OuterStatus], timeout: float, wait_s: float) -> list[outer_pb2.OuterStatus]:

@@ -73,10 +73,15 @@ class GlobalParams:
 
 
 class OuterClient:
-    def __init__(self, address: str, run_id: str, learner_id: int, chunk_bytes: int = 1 << 20, security=None) -> None:
+    def __init__(
+        self, address: str, run_id: str, learner_id: int, chunk_bytes: int = 1 << 20, security=None, incarnation: int = 0
+    ) -> None:
         self.address = address
         self.run_id = run_id
         self.learner_id = learner_id
+        # which process of learner_id this is (RegisterResponse.incarnation), on every delta
+        # header, so that the outer optimizer refuses it once another process holds the id
+        self.incarnation = incarnation
         self.chunk_bytes = chunk_bytes
         self._closed = False
         # security: the learner's ddiloco.common.security.Security (None: plaintext)
@@ -131,6 +136,7 @@ class OuterClient:
             fragment=fragment,
             compute_seconds=compute_seconds,
             more_queued=more_queued,
+            incarnation=self.incarnation,
         )
         offset = self.upload_offset(header, len(enc.payload), min(timeout, 10.0)) if resume else 0
         if offset:
@@ -193,17 +199,25 @@ class OuterClient:
         )
 
     @_open
-    def status(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0) -> outer_pb2.OuterStatus:
+    def status(
+        self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0, position: bool = False
+    ) -> outer_pb2.OuterStatus:
         """The outer optimizer's status; with ``wait_s`` > 0, as soon as its global version
-        exceeds ``wait_newer_than`` (a long poll), or after ``wait_s``."""
-        req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
-        return self._stub.GetStatus(req, timeout=timeout + wait_s)
+        exceeds ``wait_newer_than`` (a long poll), or after ``wait_s``. ``position``: this
+        process reads where it resumes, so the answer is final for older processes of its
+        learner id (``StatusRequest.incarnation``)."""
+        return self._stub.GetStatus(self._status_request(wait_newer_than, wait_s, position), timeout=timeout + wait_s)
 
     @_open
-    def status_future(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0):
+    def status_future(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0, position: bool = False):
         """``status`` as a grpc future (one long poll per shard, ``common/shard_client.py``)."""
+        return self._stub.GetStatus.future(self._status_request(wait_newer_than, wait_s, position), timeout=timeout + wait_s)
+
+    def _status_request(self, wait_newer_than: int, wait_s: float, position: bool) -> outer_pb2.StatusRequest:
         req = outer_pb2.StatusRequest(wait_newer_than=wait_newer_than, wait_ms=int(wait_s * 1000))
-        return self._stub.GetStatus.future(req, timeout=timeout + wait_s)
+        if position and self.incarnation:
+            req.learner_id, req.incarnation = self.learner_id, self.incarnation
+        return req
 
     def last_seq(self, timeout: float = 3.0) -> int:
         """The last sequence number the outer optimizer accepted from this learner id (0: none)."""

@@ -30,6 +30,9 @@ they are refused with ``Superseded``, changing nothing, so the old process learn
 first heartbeat after the cut heals that it must stop, rather than train the same shard
 and upload under the same id beside its successor (whose record it would otherwise renew,
 fill with its own counters, or mark as left). A heartbeat without a token is not checked.
+The Register answer gives the process its incarnation number, which its deltas carry, so
+that the outer optimizer refuses a replaced process's uploads as well, also while only the
+coordinator is cut off from it (ddiloco.outer.known_learners).
 
 State is persisted atomically to ``state.json`` on every membership change, so a restarted
 coordinator rebuilds the same view; learners that do not know it re-register with their id.

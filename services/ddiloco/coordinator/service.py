@@ -90,6 +90,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             # never 0 ms: a learner would heartbeat without pause (config_rules bounds the
             # interval at 10 ms; this holds for a configuration that bypassed the rules too)
             heartbeat_ms=max(1, round(cfg.heartbeat_interval_s * 1000)),
+            incarnation=rec.incarnation,
         )
 
     def Heartbeat(self, request, context):

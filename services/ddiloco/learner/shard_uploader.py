@@ -38,15 +38,17 @@ class ShardedUploader:
         last_seqs: list[int],
         learner_id: int = -1,
         pace: Callable[[int, int], float] | None = None,
+        on_superseded: Callable[[str], None] | None = None,
     ) -> None:
         """``last_seqs[i]``: the last sequence number shard i accepted from this learner (0:
-        none); ``pace`` as for ``Uploader``, per shard (each shard's link is its own)."""
+        none); ``pace`` as for ``Uploader``, per shard (each shard's link is its own);
+        ``on_superseded`` as for ``Uploader``, from any shard."""
         if len(last_seqs) < 2:
             raise ValueError(f"a sharded uploader needs two or more shards, got {len(last_seqs)}")
         self.shards = len(last_seqs)
         self.parts = [
             Uploader(cfg, (lambda i=i: client_factory().clients[i]), stats, metrics, next_seq(i, self.shards, last),
-                     learner_id, seq_step=self.shards, pace=pace)
+                     learner_id, seq_step=self.shards, pace=pace, on_superseded=on_superseded)
             for i, last in enumerate(last_seqs)
         ]
 

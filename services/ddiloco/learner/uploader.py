@@ -29,6 +29,11 @@ logged and recorded), or the learner fails loudly (``LearnerFailure``, see
 * PERMISSION_DENIED (the coordinator does not know this learner yet, e.g. it restarted and
   the learner is registering again) and UNKNOWN (an unexpected server error): retried a
   bounded number of times, then fail;
+* ABORTED: another process holds this learner id (this one was cut off past its lease and
+  replaced; ``DeltaHeader.incarnation``, ``ddiloco.outer.known_learners``). Not retried:
+  ``on_superseded`` stops the learner, whose unacknowledged work its successor retrains (a
+  learner without that callback fails). ABORTED is otherwise transient for ddiloco's
+  clients, but no outer optimizer answers an upload with it for any other reason;
 * ALREADY_EXISTS: the sequence number was accepted before. That is an acknowledgement only
   if it was ours: an earlier attempt of this sequence may have reached the server (it
   ended ambiguously, its answer lost) *and* the outer optimizer's last accepted sequence
@@ -102,11 +107,14 @@ class Uploader:
         on_ack: Callable[[int, int], None] | None = None,
         seq_step: int = 1,
         pace: Callable[[int, int], float] | None = None,
+        on_superseded: Callable[[str], None] | None = None,
     ) -> None:
         """``seq_step``: how far apart this uploader's sequence numbers are (1; S for the
         uploader of one of S outer shards, ``shard_uploader.py``). ``pace(nbytes, due)``:
         the seconds to spread an upload of ``nbytes`` over with ``due`` uploads waiting, this
-        one included (``ddiloco.learner.pace``); None or 0: at link speed."""
+        one included (``ddiloco.learner.pace``); None or 0: at link speed.
+        ``on_superseded(details)``: the outer optimizer refused an upload because another
+        process holds this learner id (ABORTED); it stops the learner."""
         self.cfg = cfg
         self.client_factory = client_factory
         self.stats = stats
@@ -116,6 +124,7 @@ class Uploader:
         self.on_ack = on_ack
         self.learner_id = learner_id
         self.pace = pace
+        self.on_superseded = on_superseded
         self.feedback = codec.ErrorFeedback() if cfg.error_feedback and cfg.codec != "fp32" else None
         self.max_windows = max(1, cfg.max_coalesce_windows)
         self.max_steps = cfg.max_delta_steps()  # what the outer optimizer admits
@@ -290,6 +299,9 @@ class Uploader:
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
                     self._refused(seq, window, code, details)
                     return
+                if code == grpc.StatusCode.ABORTED:
+                    self._superseded(seq, window, details)
+                    return
                 maybe_delivered |= code in AMBIGUOUS
                 failures[code] += 1
                 self._check_retry(seq, window, code, details, failures[code])
@@ -344,6 +356,15 @@ class Uploader:
                 "another process uploads under this learner id"
             )
         return True
+
+    def _superseded(self, seq: int, window: Window, details: str) -> None:
+        """Another process holds this learner id: nothing more is sent (the window in hand
+        stays unacknowledged, its successor's to retrain), and the learner stops."""
+        where = f"upload of fragment {window.fragment} seq {seq} ({window.tokens} tokens)"
+        self.stop()  # this thread sends nothing more, whatever the callback does
+        if self.on_superseded is None:
+            raise LearnerFailure(f"{where} refused: ABORTED: {details}")
+        self.on_superseded(f"{where} refused: {details}")
 
     def _refused(self, seq: int, window: Window, code: grpc.StatusCode, details: str) -> None:
         """A final verdict on this delta (its base is too stale to merge): recorded, not retried.

@@ -118,6 +118,8 @@ class Learner:
         self.drain = threading.Event()
         self.stop_event = threading.Event()
         self.instance_token = ""  # this process's, drawn at its first Register
+        self.incarnation = 0  # which process of the id this one is (the Register answer's)
+        self._client_incarnation = 0  # the incarnation the current outer client's deltas name
         self.superseded = False  # another process took this learner id (_superseded)
         self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.ranks = options.ranks or 1  # the run's once registered (options.ranks 0)
@@ -209,6 +211,7 @@ class Learner:
         self.config = RunConfig.from_json(resp.config_json)
         self.ranks = self.options.ranks or self.config.learner.ranks
         self.heartbeat_s = resp.heartbeat_ms / 1000
+        self.incarnation = resp.incarnation
         self._set_outer(list(resp.outer_shards) or [resp.outer_address])
 
     def _register_call(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
@@ -299,23 +302,32 @@ class Learner:
             restarted = registrations is not None and self._outer_registrations not in (None, registrations)
             if registrations is not None:
                 self._outer_registrations = registrations
-            if all(addresses) and (address != self.outer_address or restarted):
+            # a new incarnation number (a coordinator that lost its state numbers the id
+            # afresh): a new client, whose deltas name it
+            renumbered = self.incarnation != self._client_incarnation
+            if all(addresses) and (address != self.outer_address or restarted or renumbered):
                 if self._client is not None:
                     self._client.close()
                 self.outer_address = address
                 chunk, security = self.config.learner.chunk_bytes, self.options.security
+                inc = self._client_incarnation = self.incarnation
                 if len(addresses) == 1:
-                    self._client = OuterClient(addresses[0], self.run_id, self.learner_id, chunk, security=security)
+                    self._client = OuterClient(addresses[0], self.run_id, self.learner_id, chunk, security, inc)
                 else:
-                    self._client = ShardedOuterClient(addresses, self.run_id, self.learner_id, chunk, security=security)
+                    self._client = ShardedOuterClient(addresses, self.run_id, self.learner_id, chunk, security, inc)
                 uploader = getattr(self, "uploader", None)  # none yet at registration
                 if uploader is not None:
                     uploader.outer_changed()
 
     def _shard_statuses(self) -> list:
-        """Every outer shard's own status (one, when the outer optimizer is one process)."""
+        """Every outer shard's own status (one, when the outer optimizer is one process), read
+        as this process's position: from this answer on, no shard accepts a delta of an
+        older process of this learner id (``StatusRequest.incarnation``), so the sequence
+        numbers and the data position resumed from it are final."""
         client = self.client()
-        return client.shard_statuses() if isinstance(client, ShardedOuterClient) else [client.status()]
+        if isinstance(client, ShardedOuterClient):
+            return client.shard_statuses(position=True)
+        return [client.status(position=True)]
 
     def client(self) -> OuterClient | ShardedOuterClient:
         with self._client_lock:
@@ -377,10 +389,12 @@ class Learner:
             self.uploader: Uploader | ShardedUploader = Uploader(
                 lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id,
                 pace=self.transfer_pace.upload_span if paced else None,
+                on_superseded=lambda details: self._superseded(details, "uploader"),
             )
         else:
             self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id,
-                                            pace=self.transfer_pace.upload_span if paced else None)
+                                            pace=self.transfer_pace.upload_span if paced else None,
+                                            on_superseded=lambda details: self._superseded(details, "uploader"))
         first = [u.next_seq for u in getattr(self.uploader, "parts", [self.uploader])]
         self.metrics.event(
             "learner_start",
@@ -588,9 +602,11 @@ class Learner:
                 log.info("run is %s: draining", coordinator_pb2.RunState.Name(resp.state))
                 self.drain.set()
 
-    def _superseded(self, details: str) -> None:
+    def _superseded(self, details: str, where: str = "heartbeat") -> None:
         """Another process holds this learner id since this one was cut off past its lease
-        (ddiloco.coordinator.membership). Stop at once and send nothing more: uploading
+        (ddiloco.coordinator.membership), as the coordinator refusing a heartbeat or the
+        outer optimizer refusing an upload (``where``) says, whichever this process can
+        reach first. Stop at once and send nothing more: uploading
         beside the successor would train the same shard twice and make the two processes'
         sequence numbers collide. What was not acknowledged is the successor's to retrain
         from the acknowledged position; a loud exit tells the operator that two processes
@@ -599,8 +615,8 @@ class Learner:
         uploader = getattr(self, "uploader", None)
         if uploader is not None:
             uploader.stop()  # before the failure's drain, whose flush would send the queue
-        self.metrics.event("learner_superseded", learner=self.learner_id, reason=details)
-        self.supervisor.fail("heartbeat", f"superseded: {details}")
+        self.metrics.event("learner_superseded", learner=self.learner_id, reason=details, by=where)
+        self.supervisor.fail(where, f"superseded: {details}")
 
     def _finish(self) -> None:
         self.phase = "draining"

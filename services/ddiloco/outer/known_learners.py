@@ -1,6 +1,20 @@
 """Which learner ids the coordinator has registered, how many hold a lease, and how many are
 heartbeating right now: the outer optimizer's view of membership, refreshed from the
-coordinator on a miss and by the service's watch loop (every second)."""
+coordinator on a miss and by the service's watch loop (every second).
+
+It also fences replaced processes. The coordinator numbers the processes that have held a
+learner id (incarnations, ddiloco.coordinator.membership); each delta names the incarnation
+that sent it (``DeltaHeader.incarnation``). A delta from an incarnation older than the one
+this view holds is refused with ``Superseded``: its process was cut off past its lease
+(a partitioned node) and replaced, and its deltas would train the id's shard a second time
+beside its successor's and collide with its sequence numbers. The coordinator's heartbeat
+refusal stops such a process only once it can reach the coordinator again; a node cut off
+from the coordinator but not from the outer optimizer would otherwise upload on for as long
+as the cut lasts. A delta naming an incarnation *newer* than this view holds refreshes it
+first (its process registered since the last refresh). What is left open is the time
+between the successor's registration and this view's next refresh (at most one watch-loop
+interval, a second): a delta of the old process committed in it is accepted, a stale delta
+like any other, and nothing is lost (docs/algorithm.md, "Incarnations")."""
 
 from __future__ import annotations
 
@@ -9,7 +23,7 @@ import time
 
 import grpc
 
-from ddiloco.common.errors import PermissionDenied, Unavailable
+from ddiloco.common.errors import InvalidArgument, PermissionDenied, Superseded, Unavailable
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
@@ -39,22 +53,32 @@ class KnownLearners:
         # again once it has the run's configuration from the coordinator
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ids: set[int] = set()
+        self._incarnations: dict[int, int] = {}  # by learner id, as of the last refresh
         self._live_ids: set[int] | None = None
         self._live: int | None = None
         self._responsive: int | None = None
         self._members = 0
         self._started = time.monotonic()
         self._lock = threading.Lock()
+        # one refresh at a time, each applied before the next asks: two in flight could apply
+        # out of order (the watch loop's older answer after a fence's newer one), and the
+        # fence would move back
+        self._refreshing = threading.Lock()
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
         # every outer shard's address the coordinator knows, by index ("" once it forgot one);
         # None until it first answered
         self.outer_shards: list[str] | None = None
 
     def refresh(self) -> None:
-        resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+        with self._refreshing:
+            resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
+            self._apply(resp)
+
+    def _apply(self, resp: coordinator_pb2.Membership) -> None:
         window_ms = responsive_window_ms(self.heartbeat_interval_s)
         with self._lock:
             self._ids = {m.learner_id for m in resp.members}
+            self._incarnations = {m.learner_id: m.incarnation for m in resp.members}
             self._live_ids = {m.learner_id for m in resp.members if m.alive}
             self._live = len(self._live_ids)
             self._responsive = sum(1 for m in resp.members if m.alive and m.ms_since_heartbeat <= window_ms)
@@ -107,9 +131,17 @@ class KnownLearners:
         with self._lock:
             return learner_id in self._ids
 
-    def check(self, learner_id: int) -> None:
+    def check(self, learner_id: int, incarnation: int = 0) -> None:
+        """Return if ``learner_id`` is registered and ``incarnation`` (0: not stated) is the
+        process holding it; refresh once from the coordinator if this view may be behind
+        (an id or an incarnation it has not seen). ``PermissionDenied`` for an id or an
+        incarnation the coordinator does not know (yet), ``Superseded`` for a replaced
+        process, ``Unavailable`` when the coordinator cannot be asked."""
+        if incarnation < 0:
+            raise InvalidArgument(f"incarnation must be 0 (not stated) or the Register answer's (1 or more), got {incarnation}")
         with self._lock:
-            if learner_id in self._ids:
+            if learner_id in self._ids and incarnation <= self._incarnations.get(learner_id, 0):
+                self._fence(learner_id, incarnation)
                 return
         try:
             self.refresh()
@@ -118,3 +150,29 @@ class KnownLearners:
         with self._lock:
             if learner_id not in self._ids:
                 raise PermissionDenied(f"learner {learner_id} is not registered with the coordinator")
+            held = self._incarnations.get(learner_id, 0)
+            if incarnation > held:
+                # a caller's bug, or a coordinator that lost its state and numbers the id
+                # afresh: the process registers again (its heartbeat is refused) and names
+                # the new incarnation, and PERMISSION_DENIED is retried for that long
+                raise PermissionDenied(
+                    f"learner {learner_id} incarnation {incarnation} is not registered with the coordinator "
+                    f"(it holds incarnation {held})"
+                )
+            self._fence(learner_id, incarnation)
+
+    def fence(self, learner_id: int, incarnation: int) -> None:
+        """``Superseded`` if a process newer than ``incarnation`` holds ``learner_id`` as of
+        the last refresh; no coordinator call (checked again as a delta commits, after its
+        payload arrived: a replacement may have registered while it streamed)."""
+        with self._lock:
+            self._fence(learner_id, incarnation)
+
+    def _fence(self, learner_id: int, incarnation: int) -> None:
+        held = self._incarnations.get(learner_id, 0)
+        if incarnation and incarnation < held:
+            raise Superseded(
+                f"learner {learner_id} incarnation {incarnation} was replaced by incarnation {held}: this process was "
+                "cut off past its lease and another holds its id, so it must stop; its unacknowledged work is "
+                "retrained by its successor"
+            )

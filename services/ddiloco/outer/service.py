@@ -210,9 +210,10 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def _admit_header(self, header) -> None:
         """A delta's header, checked when it arrives (before its payload is read): from a
-        registered learner, and acceptable as far as a header can tell (OuterState.check_header)."""
+        registered learner's current process (KnownLearners.check: a replaced process is
+        refused), and acceptable as far as a header can tell (OuterState.check_header)."""
         if header.run_id == self.svc.config.run_id:
-            self.svc.known.check(header.learner_id)
+            self.svc.known.check(header.learner_id, header.incarnation)
         self.svc.state.check_header(header)
 
     def PushDelta(self, request_iterator, context):
@@ -229,7 +230,10 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                     messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload,
                     on_break=svc.keep_broken, admit=self._admit_header,
                 )
-                version, discount = svc.state.accept(header, payload)
+                # again as it commits: a replacement may have registered while it streamed
+                version, discount = svc.state.accept(
+                    header, payload, fence=lambda: svc.known.fence(header.learner_id, header.incarnation)
+                )
             now = time.monotonic()
             svc.timing.observe_push(
                 now - t0, header.learner_id, header.compute_seconds, header.inner_steps, header.fragment, arrived=now,
@@ -242,6 +246,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc.metrics.event(
             "delta_accepted",
             learner=header.learner_id,
+            incarnation=header.incarnation,  # which process of the id sent it (0: not stated)
             seq=header.seq,
             fragment=header.fragment,
             base_version=header.base_version,
@@ -309,6 +314,14 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
     def GetStatus(self, request, context):
         svc = self.svc
         self._authorize(context, "GetStatus")
+        if request.incarnation:
+            # a learner process reading where it resumes: this view of membership knows it
+            # before the answer, so no older process's delta is accepted after it (the fence
+            # under the state's lock in OuterState.accept)
+            self._authorize(context, "GetStatus", request.learner_id)
+            self._limit(context, "GetStatus", request.learner_id)
+            with refusals_as_status(context):
+                svc.known.check(request.learner_id, request.incarnation)
         if request.wait_ms:
             if request.wait_ms > MAX_STATUS_WAIT_MS:
                 context.abort(
@@ -340,7 +353,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         if header.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {header.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):
-            svc.known.check(header.learner_id)
+            svc.known.check(header.learner_id, header.incarnation)
         return outer_pb2.UploadOffsetResponse(offset=svc.partials.held(header))
 
     def ReadFragment(self, request, context):
@@ -681,7 +694,7 @@ class OuterService:
         """The bytes held for a resumed upload (``header.offset`` of them); raises
         ``errors.OutOfRange`` when none are (the learner sends it from offset 0)."""
         if header.run_id == self.config.run_id:
-            self.known.check(header.learner_id)
+            self.known.check(header.learner_id, header.incarnation)
             data = self.partials.take(header)
             if data is not None:
                 return data

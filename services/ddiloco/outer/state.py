@@ -43,6 +43,7 @@ import math
 import pathlib
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -218,8 +219,14 @@ class OuterState:
         admission.check_tensors(frag.index, header.payload.tensors, names, shapes)
         admission.check_payload_size(frag.index, header.payload, shapes)
 
-    def accept(self, header: outer_pb2.DeltaHeader, payload: bytes) -> tuple[int, float]:
+    def accept(
+        self, header: outer_pb2.DeltaHeader, payload: bytes, fence: Callable[[], None] | None = None
+    ) -> tuple[int, float]:
         """Validate, journal and queue one delta. Returns (fragment version, staleness discount).
+
+        ``fence``: raises (a typed refusal) if the delta's process may no longer commit
+        (``KnownLearners.fence``); called under the lock the commit holds, so that a status
+        read after the fence moved reflects every delta committed before it and none after.
 
         Raises a typed ``errors.Refused`` (or the wire's ``Refused`` for a payload that does
         not decode), ``StorageError`` when the journal cannot be written; on refusal nothing
@@ -256,6 +263,14 @@ class OuterState:
                     if journal_path is not None:
                         journal_path.unlink(missing_ok=True)
                     raise FailedPrecondition(CLOSED_MESSAGE)
+                if fence is not None:
+                    try:
+                        fence()
+                    except Refused:  # its process was replaced meanwhile: not acknowledged
+                        if journal_path is not None:
+                            journal_path.unlink(missing_ok=True)
+                        rec.refused += 1
+                        raise
                 rec.count_accepted(frag.index, header.seq, header.tokens)
                 self.bytes_received += len(payload)
                 frag.pending.append(

@@ -24,7 +24,7 @@ class ReadFragmentRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class DeltaHeader(_message.Message):
-    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset", "more_queued")
+    __slots__ = ("run_id", "learner_id", "base_version", "tokens", "inner_steps", "seq", "payload", "loss", "fragment", "compute_seconds", "offset", "more_queued", "incarnation")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class DeltaHeader(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     MORE_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     base_version: int
@@ -49,7 +50,8 @@ class DeltaHeader(_message.Message):
     compute_seconds: float
     offset: int
     more_queued: bool
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., offset: _Optional[int] = ..., more_queued: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., inner_steps: _Optional[int] = ..., seq: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadInfo, _Mapping]] = ..., loss: _Optional[float] = ..., fragment: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., offset: _Optional[int] = ..., more_queued: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class DeltaChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -120,12 +122,16 @@ class GlobalChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[GlobalHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("wait_newer_than", "wait_ms")
+    __slots__ = ("wait_newer_than", "wait_ms", "learner_id", "incarnation")
     WAIT_NEWER_THAN_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     wait_newer_than: int
     wait_ms: int
-    def __init__(self, wait_newer_than: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    learner_id: int
+    incarnation: int
+    def __init__(self, wait_newer_than: _Optional[int] = ..., wait_ms: _Optional[int] = ..., learner_id: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LearnerMergeStats(_message.Message):
     __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq", "tokens_accepted")
