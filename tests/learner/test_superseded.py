@@ -57,3 +57,24 @@ def test_a_superseded_learner_stops_its_uploads_before_draining_and_fails_loudly
     assert learner.uploader.stopped_before_drain is True
     assert learner.superseded and learner.drain.is_set()
     assert learner.supervisor.exit_code() == 1 and "superseded" in learner.supervisor.failure
+
+
+def test_told_by_the_heartbeat_and_an_uploader_at_once_it_stops_once(tmp_path):
+    """The heartbeat thread and each outer shard's uploader may each learn that another
+    process holds the id (the outer optimizer's fence, tests/outer/test_incarnation_fence.py):
+    one event, one failure, the first cause kept."""
+    import json
+
+    learner = heartbeat_learner("run", 3)
+    learner.metrics = MetricsLog(tmp_path / "metrics.jsonl", "learner")
+    learner.supervisor = Supervisor("learner", on_failure=learner.drain.set)
+    learner.uploader = RecordingUploader(learner.drain)
+
+    learner._superseded("upload of fragment 1 seq 9 refused: incarnation 1 was replaced by incarnation 2", "uploader")
+    learner._superseded("learner 3 is held by another process (incarnation 2)", "heartbeat")
+
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    superseded = [e for e in events if e["event"] == "learner_superseded"]
+    assert [e["by"] for e in superseded] == ["uploader"]
+    assert learner.supervisor.failure.startswith("uploader: superseded: upload of fragment 1 seq 9")
+    assert learner.uploader.stopped_before_drain is True

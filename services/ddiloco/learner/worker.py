@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 
 STOP_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FINISHED)
 POLICY: auth.Policy = {"GetStatus": auth.ANY}  # a learner's status: anyone of the run may read it
+# guards Learner.superseded, which the heartbeat thread and every shard's uploader may set
+_SUPERSEDED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -611,7 +613,10 @@ class Learner:
         sequence numbers collide. What was not acknowledged is the successor's to retrain
         from the acknowledged position; a loud exit tells the operator that two processes
         claimed the id."""
-        self.superseded = True
+        with _SUPERSEDED_LOCK:  # told once: by the heartbeat, or the first shard's uploader
+            if self.superseded:
+                return
+            self.superseded = True
         uploader = getattr(self, "uploader", None)
         if uploader is not None:
             uploader.stop()  # before the failure's drain, whose flush would send the queue

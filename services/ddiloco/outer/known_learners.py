@@ -10,11 +10,12 @@ this view holds is refused with ``Superseded``: its process was cut off past its
 beside its successor's and collide with its sequence numbers. The coordinator's heartbeat
 refusal stops such a process only once it can reach the coordinator again; a node cut off
 from the coordinator but not from the outer optimizer would otherwise upload on for as long
-as the cut lasts. A delta naming an incarnation *newer* than this view holds refreshes it
-first (its process registered since the last refresh). What is left open is the time
-between the successor's registration and this view's next refresh (at most one watch-loop
-interval, a second): a delta of the old process committed in it is accepted, a stale delta
-like any other, and nothing is lost (docs/algorithm.md, "Incarnations")."""
+as the cut lasts. A call naming an incarnation *newer* than this view holds refreshes it
+first (its process registered since the last refresh); the successor names its own in the
+status read where it learns its position, and the fence is checked again under the lock a
+delta's commit holds, so every delta of the old process is either part of that position or
+refused. A delta of the old process committed between the successor's registration and
+that read is a stale delta like any other (docs/algorithm.md, "Durability and idempotence")."""
 
 from __future__ import annotations
 
