@@ -73,3 +73,42 @@ def test_live_ids_are_the_learners_holding_a_lease_and_unknown_before_the_first_
     assert known.live_ids() is None
     known.refresh()
     assert known.live_ids() == {0, 3}
+
+
+# ---------------------------------------------------------------- the incarnation fence
+def incarnated(learner_id: int, incarnation: int) -> coordinator_pb2.Member:
+    return coordinator_pb2.Member(learner_id=learner_id, alive=True, ms_since_heartbeat=100, incarnation=incarnation)
+
+
+def test_an_older_incarnation_is_superseded_on_the_coordinators_current_word():
+    import pytest
+
+    from ddiloco.common.errors import PermissionDenied, Superseded
+
+    coordinator = CannedCoordinator([incarnated(0, 2)])
+    known = KnownLearners(coordinator)
+    known.check(0, 2)
+    known.check(0, 0)  # not stated: not fenced
+    with pytest.raises(Superseded, match="learner 0 incarnation 1 was replaced by incarnation 2"):
+        known.check(0, 1)
+    with pytest.raises(PermissionDenied, match="learner 0 incarnation 3 is not registered with the coordinator"):
+        known.check(0, 3)
+
+
+def test_a_coordinator_that_lost_its_state_and_numbered_the_id_lower_is_believed_not_the_old_view():
+    """Its state gone, the coordinator registers the same process again as incarnation 1:
+    the view still holding 2 asks before refusing, and the renumbered process goes on."""
+    import pytest
+
+    from ddiloco.common.errors import InvalidArgument, Superseded
+
+    coordinator = CannedCoordinator([incarnated(0, 2)])
+    known = KnownLearners(coordinator)
+    known.refresh()
+    coordinator.answer.members[0].incarnation = 1  # renumbered; the view has not refreshed yet
+    with pytest.raises(Superseded):
+        known.fence(0, 1)  # the commit-time check reads the view as it is
+    known.check(0, 1)  # the header-time check asks first
+    known.fence(0, 1)
+    with pytest.raises(InvalidArgument, match="incarnation must be 0"):
+        known.check(0, -1)

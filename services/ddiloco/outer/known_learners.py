@@ -10,8 +10,10 @@ this view holds is refused with ``Superseded``: its process was cut off past its
 beside its successor's and collide with its sequence numbers. The coordinator's heartbeat
 refusal stops such a process only once it can reach the coordinator again; a node cut off
 from the coordinator but not from the outer optimizer would otherwise upload on for as long
-as the cut lasts. A call naming an incarnation *newer* than this view holds refreshes it
-first (its process registered since the last refresh); the successor names its own in the
+as the cut lasts. A call naming another incarnation than this view holds refreshes it
+first (a newer one: its process registered since the last refresh; an older one is refused
+only on the coordinator's current word, since a coordinator that lost its state numbers ids
+afresh); the successor names its own in the
 status read where it learns its position, and the fence is checked again under the lock a
 delta's commit holds, so every delta of the old process is either part of that position or
 refused. A delta of the old process committed between the successor's registration and
@@ -141,8 +143,12 @@ class KnownLearners:
         if incarnation < 0:
             raise InvalidArgument(f"incarnation must be 0 (not stated) or the Register answer's (1 or more), got {incarnation}")
         with self._lock:
-            if learner_id in self._ids and incarnation <= self._incarnations.get(learner_id, 0):
-                self._fence(learner_id, incarnation)
+            # the id and, if stated, exactly the process this view holds for it: nothing to ask.
+            # Any other incarnation is asked about first, an older one too: a coordinator that
+            # lost its state numbers the id afresh (lower), and the process it renumbered
+            # must not be taken for a replaced one on a view a second old
+            held = self._incarnations.get(learner_id)
+            if held is not None and incarnation in (0, held):
                 return
         try:
             self.refresh()
