@@ -220,15 +220,24 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         svc = self.svc
         t0 = time.monotonic()
         messages = self._admit_push(request_iterator, context)
+        seen: list = []  # the header, once it arrived: who a refusal is about
+
+        def admit(header) -> None:
+            seen.append(header)
+            self._admit_header(header)
 
         def refused(exc: errors.Refused) -> None:
-            svc.metrics.event("delta_refused", code=status_code(exc).name, reason=exc.message)
+            about = {}
+            if seen:  # the sender's claims, as sent (a refusal may be about them)
+                h = seen[0]
+                about = {"learner": h.learner_id, "seq": h.seq, "fragment": h.fragment, "incarnation": h.incarnation}
+            svc.metrics.event("delta_refused", code=status_code(exc).name, reason=exc.message, **about)
 
         try:
             with refusals_as_status(context, on_refusal=refused):
                 header, payload = reassemble(
                     messages, svc.config.outer.max_delta_bytes, "delta", resume=svc.resume_upload,
-                    on_break=svc.keep_broken, admit=self._admit_header,
+                    on_break=svc.keep_broken, admit=admit,
                 )
                 # again as it commits: a replacement may have registered while it streamed
                 version, discount = svc.state.accept(
