@@ -203,6 +203,15 @@ def test_a_learner_cannot_push_or_pull_as_another(system):
     refused(system, lambda: system.pull(0, as_id=1), grpc.StatusCode.PERMISSION_DENIED, "not as learner 1")
 
 
+def test_a_learner_cannot_read_a_position_as_another_learners_process(system):
+    """A status read that names a process moves the outer optimizer's fence for that id
+    (outer/known_learners.py): only the id's own certificate may make it."""
+    as_other = outer_pb2.StatusRequest(learner_id=1, incarnation=1)
+    refused(system, lambda: system.learners[0].outer.GetStatus(as_other, timeout=10), grpc.StatusCode.PERMISSION_DENIED,
+            "not as learner 1")
+    assert system.learners[1].outer.GetStatus(as_other, timeout=10).ready  # the control: as itself, answered
+
+
 def test_a_learners_own_delta_is_accepted(system):
     """The control for the refusals around it: the same client, as itself, is served."""
     resp = system.push(system.learners[0], *system.delta(0))
