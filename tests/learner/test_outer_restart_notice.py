@@ -58,7 +58,7 @@ def _learner() -> Learner:
     learner._outer_registrations = None
     learner._client = None
     learner._client_lock = threading.Lock()
-    learner.incarnation = learner._client_incarnation = 1  # as registered: clients name it
+    learner.incarnation = 1  # as registered: clients name it
     return learner
 
 

@@ -51,6 +51,7 @@ class ShardedOuterClient:
         self.addresses = list(addresses)
         self.run_id = run_id
         self.learner_id = learner_id
+        self.incarnation = incarnation  # as OuterClient's: every shard's client names it
         self.clients = [OuterClient(a, run_id, learner_id, chunk_bytes, security, incarnation) for a in self.addresses]
         self._last: list[outer_pb2.OuterStatus | None] = [None] * len(self.clients)
         self._lock = threading.Lock()

@@ -36,6 +36,7 @@ loss and what each batch weighs come from it; nothing here knows what a batch ho
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import pathlib
 import threading
@@ -121,7 +122,6 @@ class Learner:
         self.stop_event = threading.Event()
         self.instance_token = ""  # this process's, drawn at its first Register
         self.incarnation = 0  # which process of the id this one is (the Register answer's)
-        self._client_incarnation = 0  # the incarnation the current outer client's deltas name
         self.superseded = False  # another process took this learner id (_superseded)
         self.group: Group | Solo = Solo()  # the other ranks of this learner, if any
         self.ranks = options.ranks or 1  # the run's once registered (options.ranks 0)
@@ -306,17 +306,17 @@ class Learner:
                 self._outer_registrations = registrations
             # a new incarnation number (a coordinator that lost its state numbers the id
             # afresh): a new client, whose deltas name it
-            renumbered = self.incarnation != self._client_incarnation
+            renumbered = self._client is not None and self._client.incarnation != self.incarnation
             if all(addresses) and (address != self.outer_address or restarted or renumbered):
                 if self._client is not None:
                     self._client.close()
                 self.outer_address = address
-                chunk, security = self.config.learner.chunk_bytes, self.options.security
-                inc = self._client_incarnation = self.incarnation
+                ident = (self.run_id, self.learner_id, self.config.learner.chunk_bytes, self.options.security,
+                         self.incarnation)  # the deltas name this process
                 if len(addresses) == 1:
-                    self._client = OuterClient(addresses[0], self.run_id, self.learner_id, chunk, security, inc)
+                    self._client = OuterClient(addresses[0], *ident)
                 else:
-                    self._client = ShardedOuterClient(addresses, self.run_id, self.learner_id, chunk, security, inc)
+                    self._client = ShardedOuterClient(addresses, *ident)
                 uploader = getattr(self, "uploader", None)  # none yet at registration
                 if uploader is not None:
                     uploader.outer_changed()
@@ -387,16 +387,16 @@ class Learner:
                      "batch_size": self.options.batch_size}
             self.group.share_setup(setup, self.params, self.fragments)
         self.model.train()
+        superseded = functools.partial(self._superseded, where="uploader")  # an upload was ABORTED
         if len(last_seqs) == 1:
             self.uploader: Uploader | ShardedUploader = Uploader(
                 lcfg, self.client, self.stats, self.metrics, last_seqs[0] + 1, self.learner_id,
-                pace=self.transfer_pace.upload_span if paced else None,
-                on_superseded=lambda details: self._superseded(details, "uploader"),
+                pace=self.transfer_pace.upload_span if paced else None, on_superseded=superseded,
             )
         else:
             self.uploader = ShardedUploader(lcfg, self.client, self.stats, self.metrics, last_seqs, self.learner_id,
                                             pace=self.transfer_pace.upload_span if paced else None,
-                                            on_superseded=lambda details: self._superseded(details, "uploader"))
+                                            on_superseded=superseded)
         first = [u.next_seq for u in getattr(self.uploader, "parts", [self.uploader])]
         self.metrics.event(
             "learner_start",

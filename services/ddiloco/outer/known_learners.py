@@ -13,11 +13,11 @@ from the coordinator but not from the outer optimizer would otherwise upload on 
 as the cut lasts. A call naming another incarnation than this view holds refreshes it
 first (a newer one: its process registered since the last refresh; an older one is refused
 only on the coordinator's current word, since a coordinator that lost its state numbers ids
-afresh); the successor names its own in the
-status read where it learns its position, and the fence is checked again under the lock a
-delta's commit holds, so every delta of the old process is either part of that position or
-refused. A delta of the old process committed between the successor's registration and
-that read is a stale delta like any other (docs/algorithm.md, "Durability and idempotence")."""
+afresh). The successor names its own in the status read where it learns its position,
+and the fence is checked again under the lock a delta's commit holds, so every delta of the
+old process is either part of that position or refused. A delta of the old process
+committed between the successor's registration and that read is a stale delta like any
+other (docs/algorithm.md, "Durability and idempotence")."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ class KnownLearners:
         # the run's heartbeat interval (RunConfig.heartbeat_interval_s); the owner sets it
         # again once it has the run's configuration from the coordinator
         self.heartbeat_interval_s = heartbeat_interval_s
-        self._ids: set[int] = set()
-        self._incarnations: dict[int, int] = {}  # by learner id, as of the last refresh
+        # every registered learner id and the incarnation holding it, as of the last refresh
+        self._incarnations: dict[int, int] = {}
         self._live_ids: set[int] | None = None
         self._live: int | None = None
         self._responsive: int | None = None
@@ -80,7 +80,6 @@ class KnownLearners:
     def _apply(self, resp: coordinator_pb2.Membership) -> None:
         window_ms = responsive_window_ms(self.heartbeat_interval_s)
         with self._lock:
-            self._ids = {m.learner_id for m in resp.members}
             self._incarnations = {m.learner_id: m.incarnation for m in resp.members}
             self._live_ids = {m.learner_id for m in resp.members if m.alive}
             self._live = len(self._live_ids)
@@ -132,7 +131,7 @@ class KnownLearners:
 
     def is_known(self, learner_id: int) -> bool:
         with self._lock:
-            return learner_id in self._ids
+            return learner_id in self._incarnations
 
     def check(self, learner_id: int, incarnation: int = 0) -> None:
         """Return if ``learner_id`` is registered and ``incarnation`` (0: not stated) is the
@@ -155,9 +154,9 @@ class KnownLearners:
         except grpc.RpcError as exc:
             raise Unavailable(f"cannot confirm learner {learner_id} with the coordinator: {exc.code().name}") from exc
         with self._lock:
-            if learner_id not in self._ids:
+            held = self._incarnations.get(learner_id)
+            if held is None:
                 raise PermissionDenied(f"learner {learner_id} is not registered with the coordinator")
-            held = self._incarnations.get(learner_id, 0)
             if incarnation > held:
                 # a caller's bug, or a coordinator that lost its state and numbers the id
                 # afresh: the process registers again (its heartbeat is refused) and names

@@ -259,18 +259,19 @@ class OuterState:
             self._refuse_if_closed()
             journal_path = self._journal(header, payload)
             with self.lock:
-                if self.closed:  # finalized while this delta was being journaled: not acknowledged
+                # not acknowledged if the run was finalized, or the delta's process replaced,
+                # while it was being journaled
+                try:
+                    if self.closed:
+                        raise FailedPrecondition(CLOSED_MESSAGE)
+                    if fence is not None:
+                        fence()
+                except Refused:
                     if journal_path is not None:
                         journal_path.unlink(missing_ok=True)
-                    raise FailedPrecondition(CLOSED_MESSAGE)
-                if fence is not None:
-                    try:
-                        fence()
-                    except Refused:  # its process was replaced meanwhile: not acknowledged
-                        if journal_path is not None:
-                            journal_path.unlink(missing_ok=True)
-                        rec.refused += 1
-                        raise
+                    if not self.closed:
+                        rec.refused += 1  # a refusal of this delta, as the checks above count it
+                    raise
                 rec.count_accepted(frag.index, header.seq, header.tokens)
                 self.bytes_received += len(payload)
                 frag.pending.append(
