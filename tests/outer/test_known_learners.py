@@ -5,6 +5,12 @@ the coordinator's own lease and heartbeat bookkeeping is tested in tests/coordin
 
 from __future__ import annotations
 
+import threading
+
+import grpc
+import pytest
+
+from ddiloco.common.errors import Superseded, Unavailable
 from ddiloco.outer.known_learners import RESPONSIVE_HEARTBEAT_MS, KnownLearners, responsive_window_ms
 from ddiloco.v1 import coordinator_pb2
 
@@ -81,9 +87,7 @@ def incarnated(learner_id: int, incarnation: int) -> coordinator_pb2.Member:
 
 
 def test_an_older_incarnation_is_superseded_on_the_coordinators_current_word():
-    import pytest
-
-    from ddiloco.common.errors import PermissionDenied, Superseded
+    from ddiloco.common.errors import PermissionDenied
 
     coordinator = CannedCoordinator([incarnated(0, 2)])
     known = KnownLearners(coordinator)
@@ -98,9 +102,7 @@ def test_an_older_incarnation_is_superseded_on_the_coordinators_current_word():
 def test_a_coordinator_that_lost_its_state_and_numbered_the_id_lower_is_believed_not_the_old_view():
     """Its state gone, the coordinator registers the same process again as incarnation 1:
     the view still holding 2 asks before refusing, and the renumbered process goes on."""
-    import pytest
-
-    from ddiloco.common.errors import InvalidArgument, Superseded
+    from ddiloco.common.errors import InvalidArgument
 
     coordinator = CannedCoordinator([incarnated(0, 2)])
     known = KnownLearners(coordinator)
@@ -112,3 +114,101 @@ def test_a_coordinator_that_lost_its_state_and_numbered_the_id_lower_is_believed
     known.fence(0, 1)
     with pytest.raises(InvalidArgument, match="incarnation must be 0"):
         known.check(0, -1)
+
+
+# ---------------------------------------------------------------- refreshes answer for misses
+class HeldCoordinator(CannedCoordinator):
+    """Answers only once the test lets it (or fails with ``status``): a coordinator that
+    hangs, held still while the test lines up what happens next."""
+
+    def __init__(self, members: list[coordinator_pb2.Member]) -> None:
+        super().__init__(members)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+        self.status = None  # a grpc.StatusCode to fail with instead of answering
+
+    def GetMembership(self, request, timeout):  # noqa: N802 - the stub's method name
+        self.calls += 1
+        answer = coordinator_pb2.Membership()
+        answer.CopyFrom(self.answer)  # read as the call arrives: a later registration is not in it
+        self.entered.set()
+        assert self.release.wait(10), "the test never let the coordinator answer"
+        if self.status is not None:
+            code = self.status
+
+            class Failed(grpc.RpcError):
+                def code(self):
+                    return code
+
+            raise Failed()
+        return answer
+
+
+def _in_flight(known: KnownLearners, coordinator: HeldCoordinator):
+    """Start a refresh in another thread and return it once it is waiting on the coordinator."""
+    def refresh() -> None:
+        try:
+            known.refresh()
+        except grpc.RpcError:
+            pass  # the callers queued behind it are what is under test
+
+    t = threading.Thread(target=refresh)
+    t.start()
+    assert coordinator.entered.wait(10)
+    return t
+
+
+def test_a_refresh_begun_after_a_miss_answers_for_it_without_asking_again():
+    coordinator = HeldCoordinator([incarnated(0, 2)])
+    known = KnownLearners(coordinator)
+    ticket = known.ticket()  # the miss is seen before the refresh below begins
+    in_flight = _in_flight(known, coordinator)
+    coordinator.release.set()
+    in_flight.join()
+    known.refresh_after(ticket)
+    assert coordinator.calls == 1
+    known.fence(0, 2)
+
+
+def test_a_refresh_already_in_flight_at_the_miss_does_not_answer_for_it():
+    """It may have read the coordinator before the registration the miss is about."""
+    coordinator = HeldCoordinator([incarnated(0, 1)])
+    known = KnownLearners(coordinator)
+    in_flight = _in_flight(known, coordinator)
+    ticket = known.ticket()  # the miss comes while that refresh waits
+    coordinator.answer.members[0].incarnation = 2  # registered after it asked
+    coordinator.release.set()
+    in_flight.join()
+    known.refresh_after(ticket)
+    assert coordinator.calls == 2
+    with pytest.raises(Superseded):
+        known.fence(0, 1)
+
+
+def test_misses_queued_behind_a_failed_refresh_fail_with_it_instead_of_each_asking():
+    """A coordinator that hangs costs each caller at most two refreshes' time, not one per
+    caller queued ahead of it."""
+    coordinator = HeldCoordinator([incarnated(0, 1)])
+    coordinator.status = grpc.StatusCode.DEADLINE_EXCEEDED
+    known = KnownLearners(coordinator)
+    tickets = [known.ticket() for _ in range(5)]
+    in_flight = _in_flight(known, coordinator)
+    coordinator.release.set()
+    in_flight.join()
+    for t in tickets:
+        with pytest.raises(Unavailable, match="DEADLINE_EXCEEDED"):
+            known.refresh_after(t)
+    assert coordinator.calls == 1
+    # a miss after the failure asks again, and a coordinator that answers is believed
+    coordinator.status = None
+    known.check(0, 1)
+    assert coordinator.calls == 2
+
+
+def test_check_on_an_unknown_id_says_the_coordinator_could_not_be_asked():
+    coordinator = HeldCoordinator([])
+    coordinator.status = grpc.StatusCode.UNAVAILABLE
+    coordinator.release.set()
+    with pytest.raises(Unavailable, match="cannot confirm learner 4 with the coordinator: the coordinator did not answer: UNAVAILABLE"):
+        KnownLearners(coordinator).check(4, 1)

@@ -67,6 +67,11 @@ class KnownLearners:
         # out of order (the watch loop's older answer after a fence's newer one), and the
         # fence would move back
         self._refreshing = threading.Lock()
+        # refreshes are numbered as they begin; the last one finished, and its failure (the
+        # status name) if it failed: a refresh begun after a miss answers for that miss
+        # (``refresh_after``)
+        self._begun = 0
+        self._finished: tuple[int, str | None] = (0, None)
         self.last_state = coordinator_pb2.RUN_STATE_UNSPECIFIED
         # every outer shard's address the coordinator knows, by index ("" once it forgot one);
         # None until it first answered
@@ -74,8 +79,39 @@ class KnownLearners:
 
     def refresh(self) -> None:
         with self._refreshing:
+            self._refresh_locked()
+
+    def ticket(self) -> int:
+        """Taken when a caller finds this view may be behind; ``refresh_after`` it."""
+        return self._begun
+
+    def refresh_after(self, ticket: int) -> None:
+        """Bring this view up to the coordinator's word as of ``ticket`` or later. A refresh
+        begun after the ticket and finished while this caller waited its turn answers for it,
+        with its membership or its failure: callers that miss together behind a coordinator
+        that hangs each wait for the refresh in flight and at most one more (3 s each), not
+        for one refresh per caller queued ahead of them. ``Unavailable`` when the refresh
+        that answers failed."""
+        with self._refreshing:
+            number, failed = self._finished
+            if number <= ticket:  # nothing begun since the miss has finished: ask
+                try:
+                    self._refresh_locked()
+                except grpc.RpcError as exc:
+                    raise Unavailable(f"the coordinator did not answer: {exc.code().name}") from exc
+            elif failed is not None:
+                raise Unavailable(f"the coordinator did not answer: {failed}")
+
+    def _refresh_locked(self) -> None:
+        self._begun += 1
+        number = self._begun
+        try:
             resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
-            self._apply(resp)
+        except grpc.RpcError as exc:
+            self._finished = (number, exc.code().name if exc.code() is not None else "UNKNOWN")
+            raise
+        self._apply(resp)
+        self._finished = (number, None)
 
     def _apply(self, resp: coordinator_pb2.Membership) -> None:
         window_ms = responsive_window_ms(self.heartbeat_interval_s)
@@ -149,10 +185,11 @@ class KnownLearners:
             held = self._incarnations.get(learner_id)
             if held is not None and incarnation in (0, held):
                 return
+            ticket = self.ticket()
         try:
-            self.refresh()
-        except grpc.RpcError as exc:
-            raise Unavailable(f"cannot confirm learner {learner_id} with the coordinator: {exc.code().name}") from exc
+            self.refresh_after(ticket)
+        except Unavailable as exc:
+            raise Unavailable(f"cannot confirm learner {learner_id} with the coordinator: {exc}") from exc
         with self._lock:
             held = self._incarnations.get(learner_id)
             if held is None:
