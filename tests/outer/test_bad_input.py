@@ -176,6 +176,12 @@ def test_stream_without_header(probe):
     )
 
 
+def test_empty_stream_from_a_live_sender(probe):
+    """No message at all from a caller still waiting for its answer: a client's bug, refused
+    (a sender that died as it opened the stream is not: tests/common/test_call_ended.py)."""
+    refused(probe, lambda: probe.stub.PushDelta(iter(()), timeout=10), grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+
+
 def test_base_version_from_the_future(probe):
     enc = codec.encode(probe.delta(), "int8", 64)
     header = probe.header(enc, probe.seq, probe.ids[0], base_version=10_000)

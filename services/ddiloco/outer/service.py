@@ -25,7 +25,7 @@ from ddiloco.common.durable import StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.paced import Pace, max_pace_seconds
 from ddiloco.common.ratelimit import RateLimiter
-from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status, status_code
+from ddiloco.common.rpc import Server, call_ended, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
 from ddiloco.common.supervision import Supervisor
 from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
@@ -72,6 +72,11 @@ MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume te
 # one after another, and a retry may begin before the server has seen its broken attempt
 # end (a dead connection is found by keepalive, within 30 s); more are refused.
 MAX_PUSH_STREAMS = 2
+# How long a stream that ended with no message waits to learn whether its call ended too
+# (its sender died as it opened it: rpc.call_ended, where that was reported within 0.1 ms).
+# A live sender's empty stream is refused this much later, its server thread held that long:
+# less than any stream that opens and sends nothing holds one, until keepalive ends it.
+SENDER_GONE_GRACE_S = 0.25
 # Paced downloads one learner may hold at once: its downloads go one after another; a
 # further one is served at link speed (the data, without holding a thread for a span).
 MAX_PACED_PULLS = 1
@@ -188,7 +193,13 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self._authorize(context, "PushDelta")  # role first: a non-learner is refused whatever it sends
         first = next(request_iterator, None)
         if first is None:
-            return iter(())
+            # no message at all: a client bug, or a sender that died as it opened the stream
+            # (rpc.call_ended). A dead one is not refused: its call is gone, and an alert on
+            # INVALID_ARGUMENT (a caller's bug) must not fire on every learner killed mid-open
+            if call_ended(context, SENDER_GONE_GRACE_S):
+                self.svc.metrics.event("delta_abandoned", reason="the sender's call ended before its first message")
+                context.abort(grpc.StatusCode.CANCELLED, "the call ended before its first message")
+            return iter(())  # reassemble refuses the empty stream of a live sender
         if first.HasField("header"):
             learner = first.header.learner_id
             self._authorize(context, "PushDelta", learner)
