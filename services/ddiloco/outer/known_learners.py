@@ -98,9 +98,9 @@ class KnownLearners:
                 try:
                     self._refresh_locked()
                 except grpc.RpcError as exc:
-                    raise Unavailable(f"the coordinator did not answer: {exc.code().name}") from exc
+                    raise Unavailable(f"the coordinator did not answer ({self._finished[1]})") from exc
             elif failed is not None:
-                raise Unavailable(f"the coordinator did not answer: {failed}")
+                raise Unavailable(f"the coordinator did not answer ({failed})")
 
     def _refresh_locked(self) -> None:
         self._begun += 1
@@ -108,7 +108,8 @@ class KnownLearners:
         try:
             resp = self._stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=3)
         except grpc.RpcError as exc:
-            self._finished = (number, exc.code().name if exc.code() is not None else "UNKNOWN")
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            self._finished = (number, code.name if code is not None else type(exc).__name__)
             raise
         self._apply(resp)
         self._finished = (number, None)
@@ -189,7 +190,7 @@ class KnownLearners:
         try:
             self.refresh_after(ticket)
         except Unavailable as exc:
-            raise Unavailable(f"cannot confirm learner {learner_id} with the coordinator: {exc}") from exc
+            raise Unavailable(f"cannot confirm learner {learner_id}: {exc}") from exc
         with self._lock:
             held = self._incarnations.get(learner_id)
             if held is None:
