@@ -168,7 +168,8 @@ def test_a_refresh_begun_after_a_miss_answers_for_it_without_asking_again():
     in_flight.join()
     known.refresh_after(ticket)
     assert coordinator.calls == 1
-    known.fence(0, 2)
+    with pytest.raises(Superseded):  # the answer it got holds incarnation 2
+        known.fence(0, 1)
 
 
 def test_a_refresh_already_in_flight_at_the_miss_does_not_answer_for_it():
