@@ -165,3 +165,89 @@ def test_float32_raw_size_is_the_scales_and_the_packed_values_of_each_tensor(nam
     # 15 values in 4 blocks of 4 and 7 values in 2: a float32 scale per block, then a byte
     # (int8) or half a byte rounded up per tensor (int4) per value
     assert codec.float32_raw_size(name, 4, [(3, 5), (7,)]) == expected
+
+
+# ------------------------------------------------- small tensors quantized together
+def _small_tensors(seed: int) -> list[tuple[str, np.ndarray]]:
+    """Many small tensors of odd sizes around one larger than a quantizer chunk: the small ones
+    are quantized in runs, the large one alone (``codec._groups``)."""
+    rng = np.random.default_rng(seed)
+    sizes = [1, 7, 63, 64, 65, 129, 3, 0, 255]
+    arrays = [(f"s{i}", (rng.normal(size=n) * 10.0 ** rng.integers(-6, 2)).astype(np.float32))
+              for i, n in enumerate(sizes)]
+    arrays.insert(4, ("large", rng.normal(size=(300, 7)).astype(np.float32)))
+    arrays.append(("scalar", np.float32(rng.normal())))
+    return arrays
+
+
+@pytest.fixture(params=[None, 256], ids=["default-chunks", "chunks-of-256"])
+def chunks(request, monkeypatch):
+    from ddiloco.common import quantize
+
+    if request.param is not None:  # runs of a few tensors, and "large" alone
+        monkeypatch.setattr(quantize, "CHUNK_ELEMS", request.param)
+
+
+def test_tensors_are_grouped_in_runs_of_at_most_one_chunk_and_large_ones_alone(monkeypatch):
+    from ddiloco.common import quantize
+
+    monkeypatch.setattr(quantize, "CHUNK_ELEMS", 256)
+    # padded to blocks of 64: 64, 128, 64, 320 (over a chunk), 64, 192, 0
+    groups = codec._groups([1, 100, 64, 300, 10, 130, 0], 64)
+    assert groups == [[0, 1, 2], [3], [4, 5, 6]]
+    assert codec._groups([1, 2, 3], 64, alone=[False, True, False]) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("block", [2, 64])
+def test_what_the_sender_is_told_it_sent_is_what_the_receiver_decodes(name, block, chunks):
+    for seed in range(3):
+        arrays = _small_tensors(seed)
+        enc, sent = codec.encode_with_sent(arrays, name, block)
+        assert enc.payload == codec.encode(arrays, name, block).payload
+        decoded = codec.decode_encoded(enc)
+        assert len(sent) == len(decoded)
+        for got, (n, want) in zip(sent, decoded):
+            assert got.shape == want.shape and got.dtype == np.float32, n
+            assert got.tobytes() == want.tobytes(), n  # bits: -0.0 and +0.0 differ
+
+
+def test_a_non_finite_value_is_refused_naming_its_tensor_inside_a_run(chunks):
+    arrays = _small_tensors(0)
+    arrays[6] = (arrays[6][0], np.array([0.5, np.inf, 1.0], np.float32))
+    arrays[8] = (arrays[8][0], np.array([np.nan] * 5, np.float32))
+    with pytest.raises(codec.CodecError, match=f"tensor '{arrays[6][0]}' holds NaN or Inf"):
+        codec.encode(arrays, "int8", 64)
+    feedback = codec.ErrorFeedback()  # and error feedback starts those tensors afresh
+    with pytest.raises(codec.CodecError, match=f"tensor '{arrays[6][0]}'"):
+        feedback.encode(arrays, "int4", 64)
+    assert not feedback.residual
+
+
+def _with_scale(enc: codec.Encoded, tensor: int, value: float) -> bytes:
+    """The payload of ``enc`` (uncompressed) with the first block scale of ``tensor`` replaced."""
+    raw = bytearray(enc.payload)
+    offset = 0
+    for spec in enc.specs[:tensor]:
+        offset += codec.raw_size(enc.codec, enc.block_size, (spec,))
+    raw[offset : offset + 4] = np.array([value], "<f4").tobytes()
+    return bytes(raw)
+
+
+def _decode_raw(enc: codec.Encoded, raw: bytes):
+    return codec.decode(raw, enc.codec, enc.block_size, enc.specs, codec.digest_of(raw), compression="none")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_payload_is_refused_tensor_by_tensor_in_order_inside_a_run(name, chunks):
+    arrays = _small_tensors(1)
+    enc = codec.encode(arrays, name, 64)
+    names = [s.name for s in enc.specs]
+    # a non-finite scale in the seventh tensor
+    with pytest.raises(codec.CodecError, match=f"tensor '{names[6]}' has non-finite block scales"):
+        _decode_raw(enc, _with_scale(enc, 6, float("inf")))
+    # a finite scale so large that the second tensor decodes to Inf comes first
+    raw = _with_scale(enc, 6, float("nan"))
+    raw = _with_scale(codec.Encoded(enc.codec, enc.block_size, enc.specs, raw, "", 0), 1, 3e38)
+    with pytest.raises(codec.CodecError, match=f"tensor '{names[1]}' holds NaN or Inf"):
+        _decode_raw(enc, raw)

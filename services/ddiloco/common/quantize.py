@@ -57,6 +57,7 @@ def quantize(
     codes: torch.Tensor,
     residual: torch.Tensor | None = None,
     addend: torch.Tensor | None = None,
+    decoded: torch.Tensor | None = None,
 ) -> bool:
     """Quantize the flat float32 tensor ``x`` into ``scales`` (float32, one per block) and
     ``codes`` (int8 per value for qmax 127; for qmax 7, uint8 holding two values each, low
@@ -95,12 +96,16 @@ def quantize(
         torch.div(xb, safe.unsqueeze(1), out=t)
         t.round_()  # half to even, as numpy's rint
         t.clamp_(-qmax, qmax)
-        if packed:
-            stage[:length].view(k, width).copy_(t)
-        else:
-            codes[start : start + length].view(k, width).copy_(t)
+        q = stage[:length].view(k, width) if packed else codes[start : start + length].view(k, width)
+        q.copy_(t)
+        if decoded is not None:
+            # from the codes, as dequantize reads them: a code of 0 is +0.0 there, where t may
+            # hold -0.0 (a small negative value rounded)
+            d = decoded[start : start + length].view(k, width)
+            d.copy_(q)
+            d.mul_(sc.unsqueeze(1))
         if residual is not None:
-            t.mul_(sc.unsqueeze(1))  # the decoded value, bit for bit
+            t.mul_(sc.unsqueeze(1))  # the decoded value (up to the sign of a zero)
             torch.sub(xb, t, out=residual[start : start + length].view(k, width))
         if packed:
             _pack(stage, pair, length, codes, start // 2)

@@ -108,9 +108,9 @@ class DownloadViews:
                 views[fragment] = {version: [a.copy() for _, a in arrays]}
                 return enc, -1
             diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
-            enc = codec.encode(diff, self.codec, self.block_size)
-            sent = codec.decode_encoded(enc)
-            new_copy = [b + d for b, (_, d) in zip(base, sent)]
+            # what the learner will decode, from the quantizer itself: no decode of our own payload
+            enc, sent = codec.encode_with_sent(diff, self.codec, self.block_size)
+            new_copy = [b + d for b, d in zip(base, sent)]
             # keep the learner's current copy too: if this download is lost, it asks again from it
             views[fragment] = {have_version: base, version: new_copy}
             return enc, have_version
