@@ -1,6 +1,7 @@
 """A learner SIGKILLed in the middle of an upload: the partial upload is discarded, the other
 learner is unaffected, and the restarted learner registers again, pulls the current global
-parameters and resumes its shard exactly where its acknowledged work ended.
+parameters, resumes its shard exactly where its acknowledged work ended, and its AdamW state
+where it last kept it.
 
 Uploads go through a relay paced at 300 kB/s (tests/chaos/throttle.py), so a delta of the
 tiny model (~130 kB in int8) spends about half a second on the wire, and learners are slowed
@@ -72,6 +73,12 @@ def test_learner_killed_mid_upload(system_factory):  # noqa: F811
     assert start["batch_index"] * TOKENS_PER_STEP == acked_tokens
     trained_steps = sum(e["steps"] for e in s.events("window") if e["learner"] == 0 and e["t"] < t_kill)
     assert start["batch_index"] <= trained_steps
+    # and its AdamW moments and schedule step, kept every H = 5 steps in the run folder
+    # (learner/inner_state.py): it does not warm up again from step 0
+    restored = [e for e in s.events("inner_state_restored") if e["learner"] == 0 and e["t"] > t_kill]
+    assert len(restored) == 1, restored
+    assert restored[0]["schedule_step"] % 5 == 0 and 5 <= restored[0]["schedule_step"] <= trained_steps
+    assert restored[0]["adam_step"] == restored[0]["schedule_step"]  # one Adam step per inner step
     # it pulled the current global parameters: no fragment older than a merge made before it
     # came back, and at least one newer than when it died (learner 1 merged meanwhile; on a
     # loaded machine no merge may have happened before the kill at all)

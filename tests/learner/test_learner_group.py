@@ -89,5 +89,9 @@ def test_a_rank_that_dies_takes_its_learner_down_and_the_restart_resumes(cluster
 
     restart = wait_until(resumed, 180, "learner 0 to start again")[0]
     assert restart["batch_index"] > 0 and restart["batch_index"] % 2 == 0  # whole group steps, not from scratch
+    # rank 0 restored the group's AdamW state (kept every H = 10 steps) and gave it to rank 1
+    # (group.share_moments): the group trains on from it, as the upload below shows
+    restored = [e for e in events(cluster.out, "inner_state_restored") if e["learner"] == 0]
+    assert len(restored) == 1 and restored[0]["schedule_step"] >= 10 and restored[0]["schedule_step"] % 10 == 0
     wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0 and e["seq"] >= restart["first_seq"]],
                180, "an upload of the restarted learner")

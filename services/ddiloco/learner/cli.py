@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT of this learner's status/health endpoint")
     parser.add_argument("--advertise", default="", help="HOST:PORT others should use to reach this learner")
     parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="append events to RUN_DIR/metrics.jsonl")
+    parser.add_argument(
+        "--state-dir", default=None, metavar="DIR",
+        help="keep this learner's AdamW moments and schedule step in DIR, every H steps, so that a restart goes on "
+        "from them (default: RUN_DIR/learner-state with --run-dir, else off; '' turns it off)",
+    )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--learner-id", type=int, default=-1, help="rejoin under this id (default: a free one)")
     parser.add_argument("--datacenter", default="", help="label of this learner's datacenter")
@@ -42,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     add_security_arguments(parser)
     apply_env_defaults(parser)
+
+
+def _state_dir(args: argparse.Namespace) -> pathlib.Path | None:
+    if args.state_dir is None:
+        return args.run_dir / "learner-state" if args.run_dir is not None else None
+    return pathlib.Path(args.state_dir) if args.state_dir else None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -78,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
             bind=args.bind,
             advertise=args.advertise,
             run_dir=args.run_dir,
+            state_dir=_state_dir(args),
             device=args.device,
             learner_id=learner_id,
             datacenter=args.datacenter,

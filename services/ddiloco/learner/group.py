@@ -100,7 +100,8 @@ class Solo:
 
     size = 1
 
-    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]]) -> None:
+    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]],
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
         pass
 
     def before_step(self, resend: set[int]) -> None:
@@ -135,13 +136,17 @@ class Group:
         self.stopped = False
         log.info("learner group of %d ranks (%s) formed on 127.0.0.1:%d", size, self.backend, port)
 
-    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]]) -> None:
-        """Tell the other ranks what to build and where to read, then give them the replica.
+    def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]],
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Tell the other ranks what to build and where to read, then give them the replica,
+        and the AdamW moments rank 0 restored (``setup["adam_step"]`` > 0, learner/inner_state.py).
         ``fragments``: the partition (each rank derives the same one from the model)."""
         self.params, self.fragments = params, fragments
         broadcast_json(setup, self.device)
         for p in params:
             dist.broadcast(p.data, src=0)
+        if setup.get("adam_step", 0) > 0:
+            share_moments(optimizer, params, setup["adam_step"])
 
     def before_step(self, resend: set[int]) -> None:
         """Start a step on every rank, re-sending the fragments in ``resend`` (rank 0 folded
@@ -172,6 +177,24 @@ class Group:
             for child in self.children:
                 child.kill()
                 child.wait()
+
+
+def share_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], adam_step: int) -> None:
+    """Rank 0's AdamW moments on every rank (an optimizer with no state yet, on the others).
+    Every rank steps on the group's mean gradient, so the ranks' moments are equal from then on,
+    as they were before the restart."""
+    state = optimizer.state_dict()
+    for i, p in enumerate(params):
+        if dist.get_rank() == 0:
+            exp_avg = optimizer.state[p]["exp_avg"]
+            exp_avg_sq = optimizer.state[p]["exp_avg_sq"]
+        else:
+            exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
+        dist.broadcast(exp_avg, src=0)
+        dist.broadcast(exp_avg_sq, src=0)
+        state["state"][i] = {"step": torch.tensor(float(adam_step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if dist.get_rank() != 0:
+        optimizer.load_state_dict(state)
 
 
 def receive_or_send(params: list[torch.Tensor], fragments: list[list[int]], control: list[int]) -> None:

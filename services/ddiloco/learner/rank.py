@@ -17,7 +17,8 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
 from ddiloco.learner.group import (
     broadcast_json,
-    COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, strided, watch_parent,
+    COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, share_moments, strided,
+    watch_parent,
 )
 from ddiloco.workloads import load
 from ddiloco.workloads.checked import to_device
@@ -62,6 +63,9 @@ def train(rank: int, world: int, device: torch.device) -> None:
     fragments = partition([p.numel() for p in params], cfg.fragments)
     lc = cfg.learner
     optimizer = torch.optim.AdamW(params, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.95))
+    if setup.get("adam_step", 0) > 0:  # rank 0 restored its moments after a restart
+        share_moments(optimizer, params, setup["adam_step"])
+    schedule_step = setup.get("schedule_step", 0)
     start = setup["batch_index"] + rank
     batches = strided(workload.train_batches(setup["shard"], cfg.learners, cfg.data.seed, start), world)
     model.train()
@@ -77,7 +81,7 @@ def train(rank: int, world: int, device: torch.device) -> None:
         batch = to_device(next(batches), device)
         weight = workload.batch_weight(batch)
         for group in optimizer.param_groups:  # the learner's schedule: warmup counted in group steps
-            group["lr"] = lc.lr * min(1.0, (step + 1) / max(lc.warmup_steps, 1))
+            group["lr"] = lc.lr * min(1.0, (schedule_step + step + 1) / max(lc.warmup_steps, 1))
         loss = workload.loss(model, batch)
         loss_value = workload.check_finite(float(loss.detach()), f"at rank {rank}, step {step} of shard {setup['shard']}")
         optimizer.zero_grad(set_to_none=True)

@@ -56,6 +56,7 @@ from ddiloco.common.security import Security
 from ddiloco.common.shard_client import ShardedOuterClient
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import OuterClient
+from ddiloco.learner import inner_state
 from ddiloco.learner.group import Group, Solo, strided
 from ddiloco.learner.pace import TransferPace
 from ddiloco.learner.puller import FragmentCopy, Puller
@@ -82,6 +83,8 @@ class LearnerOptions:
     bind: str = "127.0.0.1:0"
     advertise: str = ""
     run_dir: pathlib.Path | None = None
+    # where the AdamW moments and schedule step are kept for a restart (learner/inner_state.py); None: nowhere
+    state_dir: pathlib.Path | None = None
     device: str = "auto"
     learner_id: int = -1  # >= 0: rejoin under this id
     datacenter: str = ""
@@ -175,6 +178,8 @@ class Learner:
         # a draining learner's last windows are queued whatever the coalescing bound
         self.uploader.start(self.supervisor, release=self.drain)
         self.puller.start(self.supervisor)
+        if self.keeper is not None:
+            self.keeper.start(self.supervisor)
         try:
             self._train()
         except WorkloadError as exc:
@@ -352,6 +357,7 @@ class Learner:
             self.params, lr=lcfg.lr, weight_decay=lcfg.weight_decay, betas=(0.9, 0.95)
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
+        self._restore_inner_state()
         self.transfer_pace = TransferPace(cfg, self.inner_steps)
         paced = self.transfer_pace.enabled
         self.puller = Puller(
@@ -384,8 +390,9 @@ class Learner:
         if self.ranks > 1:
             self.group = Group(self.ranks, self.device, self.options.threads)
             setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
-                     "batch_size": self.options.batch_size}
-            self.group.share_setup(setup, self.params, self.fragments)
+                     "batch_size": self.options.batch_size, "schedule_step": self.schedule_offset,
+                     "adam_step": self.adam_step_restored}
+            self.group.share_setup(setup, self.params, self.fragments, self.optimizer)
         self.model.train()
         superseded = functools.partial(self._superseded, where="uploader")  # an upload was ABORTED
         if len(last_seqs) == 1:
@@ -421,6 +428,25 @@ class Learner:
             self.params[i].add_(g_t - self.anchor[i])
             self.anchor[i].copy_(g_t)
         self.versions[fragment] = pulled.version
+
+    def _restore_inner_state(self) -> None:
+        """The AdamW moments and schedule step this learner id kept before a restart, if they
+        are there and are this run's (``inner_state``); else a fresh optimizer, as always."""
+        self.schedule_offset = 0
+        self.adam_step_restored = 0
+        self.keeper = None
+        if self.options.state_dir is None:
+            return
+        path = inner_state.path_for(self.options.state_dir, self.learner_id)
+        self.keeper = inner_state.Keeper(path, on_unsaved=lambda exc: self.metrics.event(
+            "inner_state_unsaved", learner=self.learner_id, error=str(exc)))
+        restored = inner_state.restore(path, self.config.run_id, self.learner_id, self.names, self.params,
+                                       self.optimizer)
+        if restored is not None:
+            self.schedule_offset = restored.schedule_step
+            self.adam_step_restored = restored.adam_step
+            self.metrics.event("inner_state_restored", learner=self.learner_id, adam_step=restored.adam_step,
+                               schedule_step=restored.schedule_step)
 
     def _lr(self, step: int) -> float:
         warm = self.config.learner.warmup_steps
@@ -467,7 +493,7 @@ class Learner:
             batch = to_device(next(self.batches), self.device)
             weight = self.workload.batch_weight(batch)
             for group in self.optimizer.param_groups:
-                group["lr"] = self._lr(step)
+                group["lr"] = self._lr(self.schedule_offset + step)
             loss = self.workload.loss(self.model, batch)
             # read before the update: a non-finite loss stops the learner before it reaches
             # the parameters, and the window it belongs to is never sent
@@ -497,6 +523,9 @@ class Learner:
                 dt = self.config.lease_timeout_s
             step += 1
             self.batch_index += self.group.size
+            if self.keeper is not None and step % self.inner_steps == 0:
+                self.keeper.offer(inner_state.snapshot(self.config.run_id, self.learner_id, self.names, self.params,
+                                                       self.optimizer, self.schedule_offset + step))
             self.stats.add(tokens=weight, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             for f in range(nfrag):
@@ -631,6 +660,8 @@ class Learner:
         flushed = self.uploader.flush(timeout=self.config.drain_timeout_s / 2)
         self.uploader.stop()
         self.puller.stop()
+        if getattr(self, "keeper", None) is not None:
+            self.keeper.stop()
         self.stop_event.set()
         for thread in (*self.uploader.threads, self.puller.thread):
             if thread is not None and thread.is_alive():

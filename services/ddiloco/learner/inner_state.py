@@ -1,0 +1,244 @@
+"""A learner's inner-optimizer state on its own disk, so that a restarted learner goes on
+where it was instead of starting its optimizer afresh.
+
+What a learner's process takes with it when it dies: not the parameters (the outer
+optimizer holds the global ones, and the window in flight is trained again from its
+acknowledged work, ``worker.py``), but its AdamW moments and its place in the learning-rate
+schedule. Restarted without them it warms its rate up again from step 0 and rebuilds its
+moments from a handful of gradients, which cost the learner kills of the chaos bench
+per token (docs/chaos.md). A datacenter's learner has a disk of its own; this keeps them
+there.
+
+Kept, per learner id, in one safetensors file (no pickle: nothing here can run code from
+the file): each parameter's ``exp_avg`` and ``exp_avg_sq``, and a JSON header with the run
+id, the learner id, the model's signature (names and shapes), Adam's step count and the
+learner's schedule step (how far into its warm-up it is). Snapshot every H inner steps and
+written on a thread of its own (``Keeper``), atomically (``common/durable.py``): a crash
+leaves the previous file or the new one.
+
+Read back only if it is this run's, this learner's and this model's, and holds what AdamW
+can hold (finite moments, second moments >= 0, counts in range); otherwise it is ignored
+with the reason logged and the learner starts afresh, as it did before this file existed.
+It never stops a learner from starting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import threading
+from dataclasses import dataclass
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from ddiloco.common import durable
+
+log = logging.getLogger("ddiloco.learner.inner_state")
+
+FORMAT = 1
+# a learner's step count is bounded by its run's token budget, far below this; a larger
+# count in the file is not one this run wrote
+MAX_STEPS = 1 << 40
+
+
+class StaleState(ValueError):
+    """The file is not this learner's state in this run, or is not a state AdamW can hold."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    adam_step: int  # AdamW's own step count (bias correction)
+    schedule_step: int  # the learner's steps so far, for its learning-rate schedule
+
+
+def path_for(folder: pathlib.Path, learner_id: int) -> pathlib.Path:
+    return pathlib.Path(folder) / f"learner-{learner_id}.safetensors"
+
+
+def _signature(names: list[str], params: list[torch.Tensor]) -> list[list]:
+    return [[n, list(p.shape)] for n, p in zip(names, params)]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tensors: dict[str, torch.Tensor]  # copies, on the CPU
+    meta: dict[str, str]
+
+
+def snapshot(run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
+             optimizer: torch.optim.Optimizer, schedule_step: int) -> Snapshot | None:
+    """A copy of the state as it is now (None before AdamW's first step: nothing to keep)."""
+    tensors: dict[str, torch.Tensor] = {}
+    steps = set()
+    for i, p in enumerate(params):
+        st = optimizer.state.get(p)
+        if not st:
+            return None
+        # copies: the optimizer goes on updating its own in place while the file is written
+        tensors[f"{i}.exp_avg"] = st["exp_avg"].detach().to("cpu", torch.float32, copy=True).contiguous()
+        tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True).contiguous()
+        steps.add(int(st["step"]))
+    meta = {
+        "format": str(FORMAT),
+        "run_id": run_id,
+        "learner_id": str(learner_id),
+        "adam_step": str(max(steps)),
+        "schedule_step": str(schedule_step),
+        "model": json.dumps(_signature(names, params)),
+    }
+    return Snapshot(tensors, meta)
+
+
+def write(path: pathlib.Path, snap: Snapshot) -> None:
+    """Replace the file atomically. Raises ``durable.StorageError`` if the disk refuses it."""
+    path = pathlib.Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise durable.StorageError(path, exc) from exc
+    durable.write_bytes(path, save_tensors(snap.tensors, metadata=snap.meta))
+
+
+def save(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
+         optimizer: torch.optim.Optimizer, schedule_step: int) -> bool:
+    """Snapshot and write at once (False, and nothing written, before AdamW's first step)."""
+    snap = snapshot(run_id, learner_id, names, params, optimizer, schedule_step)
+    if snap is None:
+        return False
+    write(path, snap)
+    return True
+
+
+class Keeper:
+    """Writes the state on a thread of its own, so that training does not wait for the disk.
+
+    The training thread only copies the moments (``offer``: a memory copy of two tensors per
+    parameter) and goes on; serializing and the fsync'd write (65-110 ms for the default
+    model's 15 MB here, 2-3% of a window of its training if done in line) happen here. A
+    snapshot offered while another is being written replaces the one waiting, if any: the
+    file is never more than one snapshot behind, and memory holds at most two. A disk that
+    refuses a write costs the next restart its warm start, not the learner its training:
+    ``on_unsaved`` is told, and the next snapshot tries again. Anything else that goes wrong
+    here fails the learner loudly (the thread runs under its supervisor)."""
+
+    def __init__(self, path: pathlib.Path, on_unsaved) -> None:
+        self.path = pathlib.Path(path)
+        self.on_unsaved = on_unsaved
+        self.written = 0
+        self._pending: Snapshot | None = None
+        self._cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def offer(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        with self._cond:
+            self._pending = snap
+            self._cond.notify()
+
+    def loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self.stopping.is_set():
+                    self._cond.wait()
+                snap, self._pending = self._pending, None
+            if snap is None:
+                return  # stopping, and nothing left to write
+            try:
+                write(self.path, snap)
+                self.written += 1
+            except durable.StorageError as exc:
+                log.warning("inner state not saved (training goes on; a restart would start its optimizer afresh): %s",
+                            exc)
+                self.on_unsaved(exc)
+
+    def start(self, supervisor) -> None:
+        self.thread = supervisor.spawn("inner-state", self.loop, self.stopping)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Write what is waiting, then end the thread."""
+        with self._cond:
+            self.stopping.set()
+            self._cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def _read(path: pathlib.Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    data = pathlib.Path(path).read_bytes()
+    try:
+        tensors = load_tensors(data)
+        # the header is JSON of its own length at the file's start (the safetensors format)
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
+    except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
+        raise StaleState(f"not a safetensors file ({exc})") from None
+    return meta, tensors
+
+
+def _int(meta: dict[str, str], key: str, low: int, high: int) -> int:
+    try:
+        value = int(meta[key])
+    except (KeyError, ValueError):
+        raise StaleState(f"its header has no whole number {key!r}") from None
+    if not low <= value <= high:
+        raise StaleState(f"its {key} {value} is outside [{low}, {high}]")
+    return value
+
+
+def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, learner_id: int,
+          names: list[str], params: list[torch.Tensor]) -> Restored:
+    """Whether the file's contents are this learner's state in this run, for this model, and
+    a state AdamW can hold. Raises ``StaleState`` saying why not."""
+    if meta.get("format") != str(FORMAT):
+        raise StaleState(f"format {meta.get('format')!r}, this version writes {FORMAT}")
+    if meta.get("run_id") != run_id:
+        raise StaleState(f"it is run {meta.get('run_id')!r}'s, this run is {run_id!r}")
+    if meta.get("learner_id") != str(learner_id):
+        raise StaleState(f"it is learner {meta.get('learner_id')}'s, this is learner {learner_id}")
+    if meta.get("model") != json.dumps(_signature(names, params)):
+        raise StaleState("its model (names and shapes) is not this run's")
+    adam_step = _int(meta, "adam_step", 1, MAX_STEPS)
+    schedule_step = _int(meta, "schedule_step", 0, MAX_STEPS)
+    expected = {f"{i}.{k}" for i in range(len(params)) for k in ("exp_avg", "exp_avg_sq")}
+    if set(tensors) != expected:
+        raise StaleState(f"it holds {len(tensors)} tensors, not the {len(expected)} of this model's moments")
+    for i, p in enumerate(params):
+        for k in ("exp_avg", "exp_avg_sq"):
+            t = tensors[f"{i}.{k}"]
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(p.shape):
+                raise StaleState(f"{names[i]}'s {k} is {t.dtype} {tuple(t.shape)}, not float32 {tuple(p.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise StaleState(f"{names[i]}'s {k} holds NaN or Inf")
+        if bool((tensors[f"{i}.exp_avg_sq"] < 0).any()):
+            raise StaleState(f"{names[i]}'s exp_avg_sq holds negative values")
+    return Restored(adam_step, schedule_step)
+
+
+def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
+            optimizer: torch.optim.Optimizer) -> Restored | None:
+    """Load the state into ``optimizer`` (an AdamW over ``params`` with no state yet) if the
+    file is there and is this learner's; else None, with the reason logged."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return None
+    try:
+        meta, tensors = _read(path)
+        restored = check(meta, tensors, run_id, learner_id, names, params)
+    except (StaleState, OSError) as exc:
+        log.warning("inner state %s not restored, starting afresh: %s", path, exc)
+        return None
+    state = optimizer.state_dict()
+    for i, p in enumerate(params):
+        state["state"][i] = {
+            "step": torch.tensor(float(restored.adam_step)),
+            "exp_avg": tensors[f"{i}.exp_avg"].to(p.device),
+            "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(p.device),
+        }
+    optimizer.load_state_dict(state)
+    return restored
