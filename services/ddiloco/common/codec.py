@@ -194,6 +194,20 @@ def _groups(numels: list[int], block_size: int, alone: list[bool] | None = None)
     return groups
 
 
+def _places(raw: np.ndarray, codec: str, block_size: int, numels: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every tensor's place in a lossy payload (``raw``, bytes): views of its scales (float32)
+    and of its codes (int8, or packed uint8 for int4), in order."""
+    scales, codes, offset = [], [], 0
+    for n in numels:
+        nb = _nblocks(n, block_size)
+        ncodes = n if codec == "int8" else (n + 1) // 2
+        scales.append(raw[offset : offset + 4 * nb].view("<f4"))
+        c = raw[offset + 4 * nb : offset + 4 * nb + ncodes]
+        codes.append(c.view(np.int8) if codec == "int8" else c)
+        offset += 4 * nb + ncodes
+    return scales, codes
+
+
 def _quantize_one(x: torch.Tensor, codec: str, block_size: int, scales_np: np.ndarray, codes_np: np.ndarray,
                   residual: bool, addend: torch.Tensor | None, decoded: torch.Tensor | None) -> bool:
     """Quantize one flat tensor into its place in the payload (``scales_np``, ``codes_np``)."""
@@ -282,16 +296,7 @@ def _encode_flat(
                 sent.append(dst.astype(np.float32).reshape(shape))
             offset += 4 * n
     else:
-        # every tensor's place in the payload: its scales, then its codes
-        scales_nps, codes_nps, offset = [], [], 0
-        for _, x, _ in named:
-            n = x.numel()
-            nb = _nblocks(n, block_size)
-            ncodes = n if codec == "int8" else (n + 1) // 2
-            scales_nps.append(raw[offset : offset + 4 * nb].view("<f4"))
-            codes = raw[offset + 4 * nb : offset + 4 * nb + ncodes]
-            codes_nps.append(codes.view(np.int8) if codec == "int8" else codes)
-            offset += 4 * nb + ncodes
+        scales_nps, codes_nps = _places(raw, codec, block_size, [x.numel() for _, x, _ in named])
         values = [np.empty(shape, dtype=np.float32) for _, _, shape in named] if sent is not None else None
         decoded = [torch.from_numpy(v.reshape(-1)) for v in values] if values is not None else [None] * len(named)
         for group in _groups([x.numel() for _, x, _ in named], block_size,
@@ -413,16 +418,7 @@ def decode(
                 raise CodecError(f"tensor {spec.name!r} holds NaN or Inf")
             out.append((spec.name, values.reshape(spec.shape)))
         return out
-    # every tensor's scales and codes in the payload
-    scales_at, codes_at, offset = [], [], 0
-    for spec in specs:
-        n = spec.numel
-        nb = _nblocks(n, block_size)
-        ncodes = n if codec == "int8" else (n + 1) // 2
-        scales_at.append(buf[offset : offset + 4 * nb].view("<f4"))
-        codes = buf[offset + 4 * nb : offset + 4 * nb + ncodes]
-        codes_at.append(codes.view(np.int8) if codec == "int8" else codes)
-        offset += 4 * nb + ncodes
+    scales_at, codes_at = _places(buf, codec, block_size, [spec.numel for spec in specs])
     values: list[np.ndarray] = []
     for group in _groups([spec.numel for spec in specs], block_size):
         if len(group) == 1:
