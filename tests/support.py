@@ -33,6 +33,24 @@ def parse_python(source: str) -> ast.Module:
     return ast.parse(source)  # the fifth try: whatever it raises, the caller sees
 
 
+# A command run with SIGINT as a terminal leaves it to its foreground job (a suite started in
+# the background, ``&`` in a non-interactive shell, hands SIGINT on ignored, and an ignored
+# SIGINT stays ignored across exec, so Python would install no KeyboardInterrupt handler):
+# a fresh interpreter sets it back to its default, then execs the command in its own place
+# (same pid). Not ``preexec_fn``: that makes subprocess fork the test process itself, which
+# holds gRPC's threads from earlier tests, and a fork there can hang the child in gRPC's
+# fork handlers before it ever runs the command.
+_SIGINT_DEFAULT_EXEC = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def with_sigint_default(python_args: list[str]) -> list[str]:
+    """The argv that runs ``python python_args...`` with SIGINT at its default (above)."""
+    return [sys.executable, "-c", _SIGINT_DEFAULT_EXEC, *python_args]
+
+
 # A tiny model and short windows keep every multi-process test within seconds on 2 cores.
 TINY_RUN = ["--model", "tiny", "--inner-steps", "5", "--batch-size", "4", "--data-bytes", "600000", "--eval-interval", "2"]
 

@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from support import TINY_RUN, read_pty, wait_until
+from support import TINY_RUN, read_pty, wait_until, with_sigint_default
 
 # The budget's clock starts when the run does, before the learners have registered and built
 # their model, in both parts: on a loaded machine that took over 6 s once (the run drained with
@@ -58,12 +58,10 @@ def stopped(tmp_path_factory):
     run = tmp_path_factory.mktemp("resume") / "run"
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    # SIGINT as a terminal's foreground job has it, or the Ctrl-C below would do nothing
+    # (tests/support.with_sigint_default)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco", "run", "--out", str(run), *RUN_FLAGS], stdout=slave, stderr=slave,
-        # as a terminal's foreground job has it: a suite started in the background (`cmd &`
-        # in a non-interactive shell) inherits SIGINT ignored, and Python then installs no
-        # KeyboardInterrupt handler, so the Ctrl-C below would do nothing
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        with_sigint_default(["-m", "ddiloco", "run", "--out", str(run), *RUN_FLAGS]), stdout=slave, stderr=slave,
     )
     os.close(slave)
     output: list[bytes] = []

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from support import wait_until
+from support import wait_until, with_sigint_default
 
 from netns_helpers import leftovers, namespaces, requires_root
 
@@ -110,14 +110,10 @@ def test_parallel_sessions_do_not_collide(tmp_path):
 def _start_up(tmp_path: pathlib.Path) -> tuple[subprocess.Popen, registry.Marker]:
     with (tmp_path / "up.stderr").open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco", "netns", "--state-dir", str(tmp_path), "up", "--profile", "wan-slow",
-             "--datacenters", "2"],
-            # stderr apart: a preexec_fn makes this a plain fork of a test process that may hold
-            # gRPC threads, and gRPC's fork handler can log to the child's stderr before the exec
+            # SIGINT as a terminal leaves it (tests/support.with_sigint_default)
+            with_sigint_default(["-m", "ddiloco", "netns", "--state-dir", str(tmp_path), "up", "--profile", "wan-slow",
+                                 "--datacenters", "2"]),
             stdout=subprocess.PIPE, stderr=stderr, text=True,
-            # SIGINT as a terminal leaves it: a suite started in the background (``&`` in a
-            # non-interactive shell) would hand it on ignored, and an ignored SIGINT stays ignored
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     first = proc.stdout.readline()  # printed once everything is built
     assert "hub " in first, (first, (tmp_path / "up.stderr").read_text()[-2000:])
