@@ -296,11 +296,11 @@ def _encode_flat(
                 sent.append(dst.astype(np.float32).reshape(shape))
             offset += 4 * n
     else:
-        scales_nps, codes_nps = _places(raw, codec, block_size, [x.numel() for _, x, _ in named])
+        numels = [x.numel() for _, x, _ in named]
+        scales_nps, codes_nps = _places(raw, codec, block_size, numels)
         values = [np.empty(shape, dtype=np.float32) for _, _, shape in named] if sent is not None else None
         decoded = [torch.from_numpy(v.reshape(-1)) for v in values] if values is not None else [None] * len(named)
-        for group in _groups([x.numel() for _, x, _ in named], block_size,
-                             [x.device.type != "cpu" for _, x, _ in named]):
+        for group in _groups(numels, block_size, [x.device.type != "cpu" for _, x, _ in named]):
             if len(group) == 1:
                 i = group[0]
                 bad = None if _quantize_one(named[i][1], codec, block_size, scales_nps[i], codes_nps[i], residuals,
@@ -333,11 +333,12 @@ def encode(arrays: list, codec: str = "int8", block_size: int = 64, compression:
     refused: they would poison a merge. ``compression``: ``none`` or ``zstd``; by default
     the codec's ``DEFAULT_COMPRESSION``."""
     _check_codec(codec, block_size)
-    named = []
-    for name, arr in arrays:
-        t, shape = _flat(arr)
-        named.append((name, t, shape))
-    return _encode_flat(named, codec, block_size, compression)
+    return _encode_flat(_named_flat(arrays), codec, block_size, compression)
+
+
+def _named_flat(arrays: list) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """(name, flat float32 tensor, shape) of each named array, as ``_encode_flat`` takes them."""
+    return [(name, *_flat(arr)) for name, arr in arrays]
 
 
 def encode_with_sent(arrays: list, codec: str = "int8", block_size: int = 64,
@@ -346,12 +347,8 @@ def encode_with_sent(arrays: list, codec: str = "int8", block_size: int = 64,
     ``decode_encoded`` gives), taken from the quantizer as it writes the codes: for a sender
     that must keep what the receiver holds, without decoding its own payload."""
     _check_codec(codec, block_size)
-    named = []
-    for name, arr in arrays:
-        t, shape = _flat(arr)
-        named.append((name, t, shape))
     sent: list[np.ndarray] = []
-    enc = _encode_flat(named, codec, block_size, compression, sent=sent)
+    enc = _encode_flat(_named_flat(arrays), codec, block_size, compression, sent=sent)
     return enc, sent
 
 
@@ -418,9 +415,10 @@ def decode(
                 raise CodecError(f"tensor {spec.name!r} holds NaN or Inf")
             out.append((spec.name, values.reshape(spec.shape)))
         return out
-    scales_at, codes_at = _places(buf, codec, block_size, [spec.numel for spec in specs])
+    numels = [spec.numel for spec in specs]
+    scales_at, codes_at = _places(buf, codec, block_size, numels)
     values: list[np.ndarray] = []
-    for group in _groups([spec.numel for spec in specs], block_size):
+    for group in _groups(numels, block_size):
         if len(group) == 1:
             i = group[0]
             values.append(_dequantize_one(specs[i], codec, block_size, scales_at[i], codes_at[i]))

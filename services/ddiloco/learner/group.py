@@ -37,6 +37,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ddiloco.learner.inner_state import load_moments
+
 log = logging.getLogger(__name__)
 
 # collectives wait this long for a peer: rank 0 may block between steps (a synchronous
@@ -183,18 +185,18 @@ def share_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     """Rank 0's AdamW moments on every rank (an optimizer with no state yet, on the others).
     Every rank steps on the group's mean gradient, so the ranks' moments are equal from then on,
     as they were before the restart."""
-    state = optimizer.state_dict()
-    for i, p in enumerate(params):
-        if dist.get_rank() == 0:
-            exp_avg = optimizer.state[p]["exp_avg"]
-            exp_avg_sq = optimizer.state[p]["exp_avg_sq"]
+    rank0 = dist.get_rank() == 0
+    moments = []
+    for p in params:
+        if rank0:
+            pair = (optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
         else:
-            exp_avg, exp_avg_sq = torch.zeros_like(p), torch.zeros_like(p)
-        dist.broadcast(exp_avg, src=0)
-        dist.broadcast(exp_avg_sq, src=0)
-        state["state"][i] = {"step": torch.tensor(float(adam_step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    if dist.get_rank() != 0:
-        optimizer.load_state_dict(state)
+            pair = (torch.zeros_like(p), torch.zeros_like(p))
+        for t in pair:
+            dist.broadcast(t, src=0)
+        moments.append(pair)
+    if not rank0:
+        load_moments(optimizer, moments, adam_step)
 
 
 def receive_or_send(params: list[torch.Tensor], fragments: list[list[int]], control: list[int]) -> None:

@@ -233,12 +233,16 @@ def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], 
     except (StaleState, OSError) as exc:
         log.warning("inner state %s not restored, starting afresh: %s", path, exc)
         return None
-    state = optimizer.state_dict()
-    for i, p in enumerate(params):
-        state["state"][i] = {
-            "step": torch.tensor(float(restored.adam_step)),
-            "exp_avg": tensors[f"{i}.exp_avg"].to(p.device),
-            "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(p.device),
-        }
-    optimizer.load_state_dict(state)
+    load_moments(optimizer, [(tensors[f"{i}.exp_avg"], tensors[f"{i}.exp_avg_sq"]) for i in range(len(params))],
+                 restored.adam_step)
     return restored
+
+
+def load_moments(optimizer: torch.optim.Optimizer, moments: list[tuple[torch.Tensor, torch.Tensor]],
+                 adam_step: int) -> None:
+    """Give an AdamW (no state yet) each parameter's (exp_avg, exp_avg_sq), in parameter
+    order, and Adam's step count; ``load_state_dict`` moves them to each parameter's device."""
+    state = optimizer.state_dict()
+    for i, (exp_avg, exp_avg_sq) in enumerate(moments):
+        state["state"][i] = {"step": torch.tensor(float(adam_step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    optimizer.load_state_dict(state)
