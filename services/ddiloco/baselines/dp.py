@@ -39,6 +39,7 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import write_json
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.model import parameter_count
+from ddiloco.common.schedule import inner_lr
 from ddiloco.workloads import load as load_workload
 from ddiloco.workloads.checked import to_device
 from ddiloco.workloads.evaluate import evaluate
@@ -104,10 +105,6 @@ class Trainer:
         self.payload_bytes = (self.numel + 2) * 4
 
     # ------------------------------------------------------------------ helpers
-    def _lr(self, step: int) -> float:
-        lc = self.config.learner
-        return lc.lr * min(1.0, (step + 1) / max(lc.warmup_steps, 1))
-
     def _eval(self, step: int, tokens: int) -> tuple[float, float | None]:
         assert self.eval_batches is not None
         loss, acc = evaluate(self.workload, self.model, self.eval_batches)  # acc None: no metric
@@ -146,7 +143,7 @@ class Trainer:
             t0 = time.perf_counter()
             batch = to_device(next(self.batches), self.device)
             for group in self.optimizer.param_groups:
-                group["lr"] = self._lr(step)
+                group["lr"] = inner_lr(self.config.learner.lr, self.config.learner.warmup_steps, step)
             loss = self.workload.loss(self.model, batch)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()

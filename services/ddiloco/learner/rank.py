@@ -15,6 +15,7 @@ import torch.distributed as dist
 from ddiloco.common.cliargs import limit_threads, setup_logging
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import partition
+from ddiloco.common.schedule import inner_lr
 from ddiloco.learner.group import (
     broadcast_json,
     COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, share_moments, strided,
@@ -81,7 +82,7 @@ def train(rank: int, world: int, device: torch.device) -> None:
         batch = to_device(next(batches), device)
         weight = workload.batch_weight(batch)
         for group in optimizer.param_groups:  # the learner's schedule: warmup counted in group steps
-            group["lr"] = lc.lr * min(1.0, (schedule_step + step + 1) / max(lc.warmup_steps, 1))
+            group["lr"] = inner_lr(lc.lr, lc.warmup_steps, schedule_step + step)
         loss = workload.loss(model, batch)
         loss_value = workload.check_finite(float(loss.detach()), f"at rank {rank}, step {step} of shard {setup['shard']}")
         optimizer.zero_grad(set_to_none=True)

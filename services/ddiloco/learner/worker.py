@@ -52,6 +52,7 @@ from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import offset, partition
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
+from ddiloco.common.schedule import inner_lr
 from ddiloco.common.security import Security
 from ddiloco.common.shard_client import ShardedOuterClient
 from ddiloco.common.shard_status import combine_statuses
@@ -448,10 +449,6 @@ class Learner:
             self.metrics.event("inner_state_restored", learner=self.learner_id, adam_step=restored.adam_step,
                                schedule_step=restored.schedule_step)
 
-    def _lr(self, step: int) -> float:
-        warm = self.config.learner.warmup_steps
-        return self.config.learner.lr * min(1.0, (step + 1) / max(warm, 1))
-
     def _train(self) -> None:
         lcfg = self.config.learner
         nfrag = len(self.fragments)
@@ -493,7 +490,7 @@ class Learner:
             batch = to_device(next(self.batches), self.device)
             weight = self.workload.batch_weight(batch)
             for group in self.optimizer.param_groups:
-                group["lr"] = self._lr(self.schedule_offset + step)
+                group["lr"] = inner_lr(lcfg.lr, lcfg.warmup_steps, self.schedule_offset + step)
             loss = self.workload.loss(self.model, batch)
             # read before the update: a non-finite loss stops the learner before it reaches
             # the parameters, and the window it belongs to is never sent
