@@ -24,21 +24,9 @@ import grpc
 
 from ddiloco.common import codec
 from ddiloco.common.fragments import shard_of
-from ddiloco.common.rpc import channel
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import GlobalParams, OuterClient
-from ddiloco.v1 import outer_pb2, outer_pb2_grpc
-
-
-def read_status(addresses: Sequence[str], security=None, timeout: float = 2.0) -> outer_pb2.OuterStatus:
-    """One read of every outer shard at ``addresses`` (one address: the outer optimizer),
-    combined as one status, for a reader with no client of its own (the coordinator's page,
-    the launcher's progress line). Raises the first shard's ``grpc.RpcError``."""
-    statuses = []
-    for address in addresses:
-        with channel(address, security, server_role="outer") as ch:
-            statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
-    return combine_statuses(statuses)
+from ddiloco.v1 import outer_pb2
 
 
 class ShardedOuterClient:

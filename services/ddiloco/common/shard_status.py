@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ddiloco.v1 import outer_pb2
+from ddiloco.common.rpc import channel
+from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 
 def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.OuterStatus:
@@ -63,3 +64,14 @@ def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.Out
         )
     out.fragments.extend(sorted((f for s in statuses for f in s.fragments), key=lambda f: f.fragment))
     return out
+
+
+def read_status(addresses: Sequence[str], security=None, timeout: float = 2.0) -> outer_pb2.OuterStatus:
+    """One read of every outer shard at ``addresses`` (one address: the outer optimizer),
+    combined as one status, for a reader with no client of its own (the coordinator's page,
+    the launcher's progress line). Raises the first shard's ``grpc.RpcError``."""
+    statuses = []
+    for address in addresses:
+        with channel(address, security, server_role="outer") as ch:
+            statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
+    return combine_statuses(statuses)

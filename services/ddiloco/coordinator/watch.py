@@ -19,7 +19,7 @@ import time
 import grpc
 
 from ddiloco.common.metrics import EVALUATOR_SOURCES
-from ddiloco.common.shard_client import read_status
+from ddiloco.common.shard_status import read_status
 from ddiloco.v1 import outer_pb2
 
 log = logging.getLogger(__name__)

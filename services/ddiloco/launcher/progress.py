@@ -15,7 +15,7 @@ from typing import TextIO
 import grpc
 from tqdm import tqdm
 
-from ddiloco.common.shard_client import read_status
+from ddiloco.common.shard_status import read_status
 from ddiloco.v1 import coordinator_pb2
 
 WIDTH = 80
