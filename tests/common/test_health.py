@@ -36,3 +36,26 @@ def test_nothing_listening_fails_within_its_timeout():
     code, seconds = _health(f"127.0.0.1:{port}")
     assert code != 0
     assert seconds < 15  # the healthcheck itself never hangs (bound, not a speed claim)
+
+
+def test_stopped_serving_tells_a_server_on_its_way_out_from_one_still_serving():
+    from ddiloco.common.health import stopped_serving
+
+    server = Server("127.0.0.1:0", ["ddiloco.v1.Test"])
+    server.start()
+    server.set_ready()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        assert not stopped_serving(address)
+    finally:
+        server.stop(grace=0.5)
+    assert stopped_serving(address)  # shut down: nothing answers there any more
+
+
+def test_stopped_serving_counts_an_address_nothing_listens_on_as_stopped():
+    from ddiloco.common.health import stopped_serving
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert stopped_serving(f"127.0.0.1:{port}")

@@ -19,15 +19,31 @@ from ddiloco.common.rpc import channel
 from ddiloco.common.security import Security
 
 
-def check(address: str, service: str = "", timeout: float = 3.0, security: Security | None = None) -> tuple[bool, str]:
+def check(address: str, service: str = "", timeout: float = 3.0, security: Security | None = None,
+          server_role: str | None = None) -> tuple[bool, str]:
+    """(SERVING, the status's name or the call's error); ``server_role`` as for ``rpc.channel``."""
     try:
-        with channel(address, security) as ch:
+        with channel(address, security, server_role) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     except grpc.RpcError as exc:
         return False, f"{exc.code().name}: {exc.details()}"
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     return resp.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def stopped_serving(address: str, security: Security | None = None, server_role: str | None = None,
+                    timeout: float = 0.5) -> bool:
+    """True once the server at ``address`` is known to have stopped: it answers NOT_SERVING
+    (its graceful shutdown has begun, ``rpc.Server.stop``) or nothing listens there
+    (UNAVAILABLE). A server that does not answer in time (paused, or cut off) is not known
+    to have stopped: False."""
+    try:
+        with channel(address, security, server_role) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,12 +9,14 @@ import pathlib
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
 from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
 from ddiloco.common.durable import StorageError, write_json
+from ddiloco.common.health import stopped_serving
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
@@ -25,6 +27,9 @@ from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.1  # how soon the serving loop notices the run finished
+LINGER_POLL_S = 0.05  # between two looks at the outer shards' health after FINISHED
 
 # who may call what (ddiloco.common.auth): learners register and renew only themselves, only
 # the outer optimizer announces itself, anyone of the run may read its configuration
@@ -43,7 +48,9 @@ class CoordinatorOptions:
     bind: str = "127.0.0.1:50051"
     run_dir: pathlib.Path | None = None
     exit_when_finished: bool = False
-    linger_s: float = 3.0  # after FINISHED, keep answering so peers learn the run is over
+    # after FINISHED, keep answering until every outer shard has stopped (it exits once it
+    # has read FINISHED), for at most this long (``CoordinatorService.linger``)
+    linger_s: float = 3.0
     reopen: bool = False  # continue the stopped run saved in run_dir (``Membership.reopen``)
     metrics_port: int = 0  # Prometheus /metrics on the bind host; 0: off
     status_port: int = 0  # the live status page on the bind host; 0: off
@@ -206,9 +213,9 @@ class CoordinatorService:
 
     def wait(self) -> int:
         """Serve until stopped; the exit status: 1 if a background loop failed, else 0."""
-        while not self.stop_event.wait(0.5):
+        while not self.stop_event.wait(WAIT_POLL_S):
             if self.finished.is_set() and self.options.exit_when_finished:
-                self.stop_event.wait(self.options.linger_s)
+                self.linger()
                 break
         try:
             self.members.save()
@@ -218,6 +225,26 @@ class CoordinatorService:
         if self.supervisor.failed.is_set():
             log.error("coordinator stopped: %s", self.supervisor.failure)
         return self.supervisor.exit_code()
+
+    def linger(self, clock: Callable[[], float] = time.monotonic) -> list[str]:
+        """After FINISHED: keep answering until every outer shard has stopped serving, or
+        ``linger_s`` passed; returns the shards still serving then.
+
+        An outer optimizer run with ``--exit-when-finished`` exits once its watch loop reads
+        FINISHED, and it must read it here: a coordinator gone before that leaves it asking
+        an empty address forever. It cannot exit sooner, on Finalize's answer alone, since a
+        coordinator that lost that answer asks again. So the coordinator waits for exactly
+        that, asking each shard's health (NOT_SERVING or nothing listening: stopped), instead
+        of a fixed pause that every run paid in full (3 s) though its outer optimizer had
+        left within a tenth of it. ``linger_s`` bounds the wait for a shard that is paused or
+        cut off; one that could not be reached at all counts as stopped."""
+        deadline = clock() + self.options.linger_s
+        pending = list(self.members.outer_shards)
+        while pending:
+            pending = [a for a in pending if a and not stopped_serving(a, self.options.security, "outer")]
+            if not pending or clock() >= deadline or self.stop_event.wait(LINGER_POLL_S):
+                break
+        return pending
 
     def _timer_loop(self) -> None:
         """Leases, the budget, the end of the run. Runs under the supervisor: an unexpected

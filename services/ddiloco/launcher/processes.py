@@ -57,6 +57,14 @@ class Proc:
     def returncode(self) -> int | None:
         return self.popen.poll()
 
+    def exited_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the process to exit; True if it has."""
+        try:
+            self.popen.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
 
 @dataclass
 class Cluster:

@@ -206,7 +206,9 @@ def _supervise(cluster: Cluster, coordinator, options: LaunchOptions, endpoints:
             if time.monotonic() > deadline:
                 print("\nrun exceeded its hard timeout; stopping", file=sys.stderr)
                 return
-            time.sleep(0.5)  # pacing of the progress display, not synchronisation
+            # the progress display's pace; the coordinator's exit (the run's end) ends it at once
+            if coordinator.exited_within(0.5):
+                return
             if options.progress and display is None:
                 budget = _budget(options.out)  # the coordinator writes config.json as it starts
                 display = Progress(sys.stderr, budget) if budget else None

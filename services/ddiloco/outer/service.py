@@ -56,6 +56,10 @@ CHECKPOINT_RETRY_S = 5.0
 # How long shutdown waits for each background loop: an evaluation of the largest preset on
 # CPU takes seconds, the other loops wake within one second of the stop.
 SHUTDOWN_JOIN_S = 30.0
+# how often the watch loop reads the run state: while the run goes on, and once this
+# process has answered Finalize (FINISHED follows within the coordinator's report write)
+WATCH_S = 1.0
+WATCH_FINALIZED_S = 0.05
 # The shortest wait of the merge loop while deltas are pending: how late at most a grace
 # window's end is noticed when no delta arrives to wake it.
 MERGE_POLL_FLOOR_S = 0.01
@@ -684,8 +688,16 @@ class OuterService:
         )
 
     def _watch_loop(self) -> None:
-        """Follow the run state; exit once the coordinator reports FINISHED."""
-        while not self.stop_event.wait(1.0):
+        """Follow the run state; exit once the coordinator reports FINISHED. Once Finalize
+        has answered, FINISHED is a report-write away, and the coordinator waits for this
+        process to stop before it exits itself (``CoordinatorService.linger``): a process
+        that is to exit then looks often."""
+        last = -math.inf
+        while not self.stop_event.wait(WATCH_FINALIZED_S):
+            leaving = self.finalized.is_set() and self.options.exit_when_finished
+            if not leaving and time.monotonic() - last < WATCH_S:
+                continue
+            last = time.monotonic()
             try:
                 self.known.refresh()
             except grpc.RpcError:
