@@ -19,13 +19,17 @@ from ddiloco.common.rpc import channel
 from ddiloco.common.security import Security
 
 
-def check(address: str, service: str = "", timeout: float = 3.0, security: Security | None = None,
-          server_role: str | None = None) -> tuple[bool, str]:
-    """(SERVING, the status's name or the call's error); ``server_role`` as for ``rpc.channel``."""
+def _ask(address: str, service: str, timeout: float, security: Security | None,
+         server_role: str | None = None) -> health_pb2.HealthCheckResponse:
+    """One grpc.health.v1 Check; raises the call's ``grpc.RpcError``."""
+    with channel(address, security, server_role) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+
+
+def check(address: str, service: str = "", timeout: float = 3.0, security: Security | None = None) -> tuple[bool, str]:
+    """(SERVING, the status's name or the call's error)."""
     try:
-        with channel(address, security, server_role) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        resp = _ask(address, service, timeout, security)
     except grpc.RpcError as exc:
         return False, f"{exc.code().name}: {exc.details()}"
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -39,8 +43,7 @@ def stopped_serving(address: str, security: Security | None = None, server_role:
     (UNAVAILABLE). A server that does not answer in time (paused, or cut off) is not known
     to have stopped: False."""
     try:
-        with channel(address, security, server_role) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        resp = _ask(address, "", timeout, security, server_role)
     except grpc.RpcError as exc:
         return exc.code() == grpc.StatusCode.UNAVAILABLE
     return resp.status == health_pb2.HealthCheckResponse.NOT_SERVING

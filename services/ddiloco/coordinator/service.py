@@ -239,9 +239,9 @@ class CoordinatorService:
         left within a tenth of it. ``linger_s`` bounds the wait for a shard that is paused or
         cut off; one that could not be reached at all counts as stopped."""
         deadline = clock() + self.options.linger_s
-        pending = list(self.members.outer_shards)
+        pending = [a for a in self.members.outer_shards if a]  # "": a shard never registered
         while pending:
-            pending = [a for a in pending if a and not stopped_serving(a, self.options.security, "outer")]
+            pending = [a for a in pending if not stopped_serving(a, self.options.security, "outer")]
             if not pending or clock() >= deadline or self.stop_event.wait(LINGER_POLL_S):
                 break
         return pending
