@@ -76,3 +76,42 @@ def test_an_object_without_the_methods_is_refused_naming_each_missing_one(tmp_pa
 def test_a_relative_file_is_made_absolute_and_a_module_left_alone(tmp_path):
     assert absolute("examples/x.py:workload", tmp_path) == f"{tmp_path / 'examples' / 'x.py'}:workload"
     assert absolute("pkg.mod:fn", tmp_path) == "pkg.mod:fn"
+
+
+def test_check_refuses_what_load_refuses_with_the_same_message(tmp_path):
+    from ddiloco.workloads import check
+
+    bad_builtin = config("ddiloco.workloads.bytegpt:workload", {"size": "9"})
+    with pytest.raises(WorkloadError) as info:
+        check(bad_builtin)
+    assert str(info.value) == refused(bad_builtin)
+    for cfg in (config(write(tmp_path, source="def workload(args):\n    raise KeyError('width')\n")),
+                config("ddiloco.workloads.bytegpt:nothing")):
+        with pytest.raises(WorkloadError) as info:
+            check(cfg)
+        assert str(info.value) == refused(cfg)
+    check(config("ddiloco.workloads.bytegpt:workload"))  # accepted, as load accepts it
+    check(config(write(tmp_path, name="good.py")))
+
+
+def test_checking_the_built_in_workload_imports_no_torch():
+    """The coordinator checks the run's configuration before it serves; for the built-in
+    workload that check must not cost a torch import (seconds of CPU)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import argparse, sys\n"
+        "from ddiloco.common.config import RunConfig\n"
+        "from ddiloco.workloads import check\n"
+        "check(RunConfig())\n"
+        "from ddiloco.coordinator import cli\n"
+        "from ddiloco.common.runflags import run_config_from_args\n"
+        "parser = argparse.ArgumentParser()\n"
+        "cli.add_arguments(parser)\n"
+        "run_config_from_args(parser.parse_args(['--learners', '3']))\n"  # the coordinator's own path
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

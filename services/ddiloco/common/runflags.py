@@ -163,14 +163,15 @@ def workload_arg(text: str) -> tuple[str, str]:
 
 def _check_workload(cfg: RunConfig) -> None:
     """A FILE.py workload made absolute (the services run in other folders); the workload
-    imported and called once, so that a name that does not resolve, options it refuses or
-    an object without the methods end the command before anything starts."""
-    from ddiloco.workloads import WorkloadError, load
+    checked (``workloads.check``: a user's imported and called once, the built-in's options
+    rule without importing torch), so that a name that does not resolve, options it refuses
+    or an object without the methods end the command before anything starts."""
+    from ddiloco.workloads import WorkloadError, check
     from ddiloco.workloads.loader import absolute
 
     try:
         cfg.workload.name = absolute(cfg.workload.name)
-        load(cfg)
+        check(cfg)
     except WorkloadError as exc:
         raise SystemExit(str(exc)) from None
 

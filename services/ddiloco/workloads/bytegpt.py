@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ddiloco.common.data import CorpusCache, ShardSampler, check_shards, eval_windows
 from ddiloco.common.model import build_model
-from ddiloco.workloads.checked import WorkloadError
+from ddiloco.workloads.bytegpt_options import check_options
 
 EVAL_BATCH = 16  # windows per evaluation batch (the former evaluate()'s batch)
 
@@ -67,9 +67,5 @@ class ByteGPT:
 
 
 def workload(args) -> ByteGPT:
-    if len(args):
-        raise WorkloadError(
-            f"the built-in workload takes no --workload-arg (got {sorted(args)}); "
-            "its settings are --model, --data, --data-bytes and --batch-size"
-        )
+    check_options(args)
     return ByteGPT(args.run)

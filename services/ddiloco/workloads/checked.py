@@ -16,11 +16,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-REQUIRED = ("model", "train_batches", "loss", "batch_weight", "eval_batches")
+from ddiloco.workloads.errors import REQUIRED, WorkloadError
 
-
-class WorkloadError(ValueError):
-    """The workload cannot be used as it is; the message names it and says why."""
+__all__ = ["REQUIRED", "Workload", "WorkloadError", "to_device"]
 
 
 class Workload:

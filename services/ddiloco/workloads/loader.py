@@ -14,12 +14,15 @@ import importlib
 import importlib.util
 import pathlib
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ddiloco.common.config import DEFAULT_WORKLOAD, RunConfig
-from ddiloco.workloads.checked import REQUIRED, Workload, WorkloadError
+from ddiloco.workloads.errors import REQUIRED, WorkloadError
 
-__all__ = ["DEFAULT_WORKLOAD", "WorkloadArgs", "absolute", "load", "resolve", "split_name"]
+if TYPE_CHECKING:
+    from ddiloco.workloads.checked import Workload
+
+__all__ = ["DEFAULT_WORKLOAD", "WorkloadArgs", "absolute", "check", "load", "resolve", "split_name"]
 
 
 class WorkloadArgs(dict):
@@ -99,15 +102,38 @@ def resolve(name: str) -> Callable[[WorkloadArgs], Any]:
     return fn
 
 
-def load(run: RunConfig) -> Workload:
+def check(run: RunConfig) -> None:
+    """Raise ``WorkloadError`` unless ``load(run)`` would succeed: the name resolves, the
+    function accepts the options and returns an object with the methods. The built-in
+    workload is checked by its options rule alone, without importing it: its object always
+    has the methods, and importing it imports torch, about two seconds of CPU before a
+    service that only checks the configuration (the coordinator) could serve."""
+    if run.workload.name == DEFAULT_WORKLOAD:
+        from ddiloco.workloads.bytegpt_options import check_options
+
+        try:
+            check_options(run.workload.args)
+        except WorkloadError as exc:  # worded as load's, which calls the function
+            raise _call_failed(run.workload.name, str(exc)) from None
+        return
+    load(run)
+
+
+def _call_failed(name: str, detail: str) -> WorkloadError:
+    return WorkloadError(f"workload {name!r}: calling it failed: {detail}")
+
+
+def load(run: RunConfig) -> "Workload":
     """Call the run's workload function with its options and check what it returns."""
+    from ddiloco.workloads.checked import Workload
+
     name = run.workload.name
     fn = resolve(name)
     try:
         impl = fn(WorkloadArgs(dict(run.workload.args), run))
     except Exception as exc:  # e.g. options it refuses: its message, with the workload named
         detail = str(exc) if isinstance(exc, WorkloadError) else f"{type(exc).__name__}: {exc}"
-        raise WorkloadError(f"workload {name!r}: calling it failed: {detail}") from exc
+        raise _call_failed(name, detail) from exc
     missing = [m for m in REQUIRED if not callable(getattr(impl, m, None))]
     if missing:
         raise WorkloadError(
