@@ -4,6 +4,7 @@ mutual TLS, alternating in one run, over loopback or over a tc-shaped link.
     python bench/tls_overhead.py                    # loopback: 256 MiB x 15 pairs (one upload per mode each)
     python bench/tls_overhead.py --rate-mbit 1000   # over a link shaped to 1 Gbit/s (root): tls_overhead-1000mbit.json
     python bench/tls_overhead.py --quick            # 16 MiB x 2 pairs: the smoke form
+    perf record -a -- python bench/tls_overhead.py --only mtls --reps 6   # one mode only, under a profiler; writes nothing
 
 The server and the channel are ddiloco's own (``ddiloco.common.rpc``: the same options,
 credentials and certificates a learner's upload uses), the stream is the upload's shape
@@ -96,21 +97,22 @@ def upload(address: str, security: Security | None, total: int) -> float:
     return seconds
 
 
-def run_pairs(addresses: dict[str, str], tls_dir: pathlib.Path, total: int, reps: int) -> dict[str, list[float]]:
+def run_pairs(addresses: dict[str, str], tls_dir: pathlib.Path, total: int, reps: int,
+              modes: tuple[str, ...] = MODES) -> dict[str, list[float]]:
     """The client process: ``reps`` pairs, the order swapped every pair, so that a drift in
-    the machine's load hits both modes."""
+    the machine's load hits both modes (``modes``: one of them alone, for a profiler)."""
     clients = {"plaintext": None, "mtls": Security.from_dir(tls_dir / "learner-0")}
-    upload(addresses["plaintext"], None, CHUNK)  # warm both paths once
-    upload(addresses["mtls"], clients["mtls"], CHUNK)
-    seconds: dict[str, list[float]] = {m: [] for m in MODES}
+    for mode in modes:  # warm the paths once
+        upload(addresses[mode], clients[mode], CHUNK)
+    seconds: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(reps):
-        for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
             seconds[mode].append(upload(addresses[mode], clients[mode], total))
     return seconds
 
 
 def measure(tls_dir: pathlib.Path, total: int, reps: int, server_wrap: list[str], host: str,
-            client_wrap: list[str]) -> dict[str, list[float]]:
+            client_wrap: list[str], modes: tuple[str, ...] = MODES) -> dict[str, list[float]]:
     """Start the server process (under ``server_wrap``, bound to ``host``) and the client
     process (under ``client_wrap``), and return the client's seconds per mode."""
     me = [sys.executable, str(pathlib.Path(__file__).resolve())]
@@ -121,7 +123,8 @@ def measure(tls_dir: pathlib.Path, total: int, reps: int, server_wrap: list[str]
         if not line:
             raise SystemExit(f"tls_overhead: the server process exited ({server.wait()}) before serving")
         client = subprocess.run(
-            [*client_wrap, *me, "--client", line.strip(), str(tls_dir), "--bytes", str(total), "--reps", str(reps)],
+            [*client_wrap, *me, "--client", line.strip(), str(tls_dir), "--bytes", str(total), "--reps", str(reps),
+             "--modes", ",".join(modes)],
             capture_output=True, text=True, timeout=3600,
         )
         if client.returncode != 0:
@@ -149,6 +152,18 @@ def measure_shaped(tls_dir: pathlib.Path, total: int, reps: int, rate_mbit: floa
     return seconds, link
 
 
+def profile_one(mode: str, total: int, reps: int) -> int:
+    """``--only MODE``: ``reps`` uploads of one mode (server and client in their processes as
+    in the measurement), their throughput printed, nothing written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tls = pathlib.Path(tmp)
+        setup_run(tls, 1)
+        seconds = measure(tls, total, reps, [], "127.0.0.1", [], (mode,))[mode]
+    print(f"{mode}: {reps} uploads of {total >> 20} MiB, median {total / statistics.median(seconds) / 1e6:.1f} MB/s, "
+          f"seconds {[round(x, 3) for x in seconds]}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB per upload")
@@ -159,18 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None,
                         help="result file (default bench/results/tls_overhead.json, or tls_overhead-<R>mbit.json)")
     parser.add_argument("--allow-dirty", action="store_true")
+    parser.add_argument("--only", choices=MODES, default=None,
+                        help="upload in this mode only and print its throughput, writing nothing: for a profiler "
+                             "attached from outside (perf record -a), to set one mode's CPU beside the other's")
     # the two roles this script plays in its own child processes
     parser.add_argument("--serve", type=pathlib.Path, metavar="TLS_DIR", help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=2, metavar=("ADDRESSES", "TLS_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
         serve_both(args.serve, args.host)
         return 0
     if args.client is not None:
         addresses, tls_dir = json.loads(args.client[0]), pathlib.Path(args.client[1])
-        print(json.dumps(run_pairs(addresses, tls_dir, args.bytes, args.reps)))
+        modes = tuple(m for m in args.modes.split(",") if m in MODES)
+        print(json.dumps(run_pairs(addresses, tls_dir, args.bytes, args.reps, modes)))
         return 0
     if args.rate_mbit is not None and not args.rate_mbit > 0:
         parser.error(f"--rate-mbit must be a positive number of Mbit/s, got {args.rate_mbit}")
@@ -178,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         args.mib, args.reps = 16, 2
     if args.mib < 1 or args.reps < 1:
         parser.error("--mib and --reps must be at least 1")
+    if args.only is not None:
+        if args.rate_mbit is not None:
+            parser.error("--only measures loopback; leave out --rate-mbit")
+        return profile_one(args.only, args.mib * CHUNK, args.reps)
     name = "tls_overhead" if args.rate_mbit is None else f"tls_overhead-{args.rate_mbit:g}mbit"
     out = args.out or ROOT / "bench" / "results" / f"{name}.json"
     prov = start_provenance(args.allow_dirty, "tls_overhead")

@@ -45,3 +45,20 @@ def test_a_non_positive_rate_is_refused(tmp_path):
     proc = _quick(tmp_path, "--rate-mbit", "0")
     assert proc.returncode == 2
     assert "--rate-mbit must be a positive number of Mbit/s, got 0.0" in proc.stderr
+
+
+def test_only_one_mode_uploads_in_that_mode_alone_and_writes_nothing(tmp_path):
+    """--only MODE: for a profiler attached from outside, one mode's uploads and no other."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tls_overhead.py"), "--only", "mtls", "--mib", "4", "--reps", "2",
+         "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("mtls: 2 uploads of 4 MiB, median ") and "plaintext" not in proc.stdout
+    assert not (tmp_path / "r.json").exists()
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tls_overhead.py"), "--only", "mtls", "--rate-mbit", "100"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode == 2 and "--only measures loopback" in refused.stderr
