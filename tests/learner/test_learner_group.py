@@ -50,14 +50,18 @@ def test_two_learners_of_two_ranks_train_through_ddiloco_run(tmp_path):
         assert "learner group of 2 ranks (gloo)" in log and "rank 1 of 2" in log
 
 
-def children(pid: int) -> list[int]:
+def rank_children(pid: int) -> list[int]:
+    """The learner group's rank processes among ``pid``'s children: by their command line, so
+    that a short-lived helper some library starts is never taken for a rank (killing one
+    instead of the rank would leave the learner up)."""
     out = []
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and b"ddiloco.learner.rank" in cmdline:
             out.append(int(stat.parent.name))
     return out
 
@@ -76,7 +80,7 @@ def test_a_rank_that_dies_takes_its_learner_down_and_the_restart_resumes(cluster
     victim = cluster.start_learner(0, group)
     cluster.start_learner(1, group)
     wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0], 180, "learner 0's first ack")
-    rank1 = wait_until(lambda: children(victim.popen.pid), 30, "learner 0's second rank")
+    rank1 = wait_until(lambda: rank_children(victim.popen.pid), 30, "learner 0's second rank")
     os.kill(rank1[0], signal.SIGKILL)
     wait_until(lambda: victim.returncode() is not None, 120, "learner 0 to go down with its rank")
     assert victim.returncode() != 0
