@@ -124,7 +124,7 @@ def measure(tls_dir: pathlib.Path, total: int, reps: int, server_wrap: list[str]
             raise SystemExit(f"tls_overhead: the server process exited ({server.wait()}) before serving")
         client = subprocess.run(
             [*client_wrap, *me, "--client", line.strip(), str(tls_dir), "--bytes", str(total), "--reps", str(reps),
-             "--modes", ",".join(modes)],
+             "--modes", *modes],
             capture_output=True, text=True, timeout=3600,
         )
         if client.returncode != 0:
@@ -182,15 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--client", nargs=2, metavar=("ADDRESSES", "TLS_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--modes", default=",".join(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
         serve_both(args.serve, args.host)
         return 0
     if args.client is not None:
         addresses, tls_dir = json.loads(args.client[0]), pathlib.Path(args.client[1])
-        modes = tuple(m for m in args.modes.split(",") if m in MODES)
-        print(json.dumps(run_pairs(addresses, tls_dir, args.bytes, args.reps, modes)))
+        print(json.dumps(run_pairs(addresses, tls_dir, args.bytes, args.reps, tuple(args.modes))))
         return 0
     if args.rate_mbit is not None and not args.rate_mbit > 0:
         parser.error(f"--rate-mbit must be a positive number of Mbit/s, got {args.rate_mbit}")

@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_WORKLOAD", "Workload", "WorkloadError", "check", "load", "re
 
 def __getattr__(name: str):
     # Workload (the checked wrapper) imports torch: only on first use, so that importing this
-    # package to check a configuration does not
+    # package to check a configuration does not import torch
     if name == "Workload":
         from ddiloco.workloads.checked import Workload
 
