@@ -46,7 +46,7 @@ def test_learners_of_a_warm_started_run_download_the_given_model_not_their_seede
     seeded = [p.detach().numpy() for p in build_model(cfg.model, cfg.seed).parameters()]
     ids = partition([a.size for a in seeded], cfg.fragments)[0]
     version, _, arrays = warm.snapshot(0)
-    enc, base = DownloadViews(cfg.learner.codec, cfg.learner.block_size, 4).encode_for(
+    enc, base = DownloadViews(cfg.learner.codec, cfg.learner.block_size, 4, initial=warm.initial_fragment).encode_for(
         0, 0, 0, version, arrays, have_digest=codec.held_digest([seeded[i] for i in ids]))
     assert version == 0 and base == -1  # the full fragment
     for (_, got), (_, given) in zip(codec.decode_encoded(enc), arrays):

@@ -1,4 +1,4 @@
-"""A learner that built the run's initial model itself does not download it
+"""A learner that built the run's initial model itself never downloads it
 (``PullGlobalRequest.have_digest``, ddiloco.outer.downloads), against a real outer
 optimizer over gRPC.
 
@@ -6,9 +6,13 @@ optimizer over gRPC.
   0, gets the change since that copy: zeros, in a payload of a few hundred bytes instead of
   the full fragment, and the claimed copy becomes the learner's view, from which later
   downloads are changes.
-* A digest of another copy, or the right one once the fragment has moved past version 0,
-  gets the full fragment, as a pull without a claim does; a digest that is not 32 bytes is
-  INVALID_ARGUMENT.
+* Once the fragment has moved past version 0, the same claim gets every merge so far as one
+  quantized change from version 0 (the outer optimizer keeps each fragment's version 0),
+  no bigger than a change of one merge, a fraction of the full fragment; the learner's
+  start-up pull then asks once more, and that second change leaves its copy within the
+  quantizer's step of the first one's error.
+* A digest of another copy gets the full fragment, as a pull without a claim does; a digest
+  that is not 32 bytes is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def test_another_copy_or_a_malformed_digest_gets_the_full_fragment_or_a_refusal(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "32-byte" in info.value.details()
 
 
-def test_once_the_fragment_moved_on_the_seeded_copy_is_not_enough_and_a_held_view_serves_changes(system):
+def test_once_the_fragment_moved_on_a_newcomer_gets_the_change_since_the_seeded_copy_and_a_held_view_serves_changes(system):
     from support import wait_until
 
     cluster, (a, b), cfg = system
@@ -87,10 +91,66 @@ def test_once_the_fragment_moved_on_the_seeded_copy_is_not_enough_and_a_held_vie
     now = client_b.pull(0, -1, timeout=30)
     assert now.version > 0
     late = OuterClient(cluster.outer_address, RUN, b).pull(0, 0, timeout=30, have_digest=digest)
-    assert late.base_version == -1  # a newcomer now needs the fragment as it is
-    for (_, x), (_, y) in zip(late.arrays, now.arrays):
-        np.testing.assert_array_equal(x, y)
+    assert late.base_version == 0  # a newcomer holding the seeded model: the change since it
+    assert late.nbytes < now.nbytes / 2.5, (late.nbytes, now.nbytes)  # int8: about a third
+    step = max(float(np.abs(y - x).max()) for (_, x), (_, y) in zip(mine, now.arrays)) / 127
+    for (_, d), (_, x), (_, y) in zip(late.arrays, mine, now.arrays):
+        np.testing.assert_allclose(x + d, y, rtol=0, atol=step)  # within int8's step of the change
     change = OuterClient(cluster.outer_address, RUN, a).pull(0, 0, timeout=30)
     assert change.base_version == 0  # learner a's view is the copy it claimed: a change, quantized
     for (_, d), (_, x), (_, y) in zip(change.arrays, mine, now.arrays):
         np.testing.assert_allclose(x + d, y, atol=2e-3 / 127 * 2)  # within int8's step of the change
+
+
+def test_a_learner_starting_after_merges_downloads_changes_not_the_model_and_refines_its_copy(system, tmp_path):
+    """The learner's start-up pull (``Puller.pull_all``) against the real outer optimizer,
+    after the merges of the test above: one change from the seeded copy, then one more from
+    the copy that left; neither is the full fragment, both are smaller than it, and the copy
+    ends far closer to the global parameters than the first change alone put it."""
+    import json
+
+    from ddiloco.common.metrics import MetricsLog
+    from ddiloco.learner.puller import Puller
+    from ddiloco.learner.stats import Stats
+
+    cluster, (a, b), cfg = system
+    client = OuterClient(cluster.outer_address, RUN, b)
+    now = client.pull(0, -1, timeout=30)
+    assert now.version > 0, "runs after the test above, which merged"
+    log = tmp_path / "puller.jsonl"
+    puller = Puller(lambda: client, b, cfg.fragments, 1000, 0.02, Stats(), MetricsLog(log, "learner"))
+    mine = seeded_fragment(cfg)
+    copy = puller.pull_all(timeout=30, held=[mine])[0]
+    pulls = [json.loads(line) for line in log.read_text().splitlines()]
+    pulls = [e for e in pulls if e["event"] == "pull"]
+    assert [(e["start"], e["full"], e["refine"]) for e in pulls] == [(True, False, False), (True, False, True)]
+    assert all(e["bytes"] < now.nbytes / 2.5 for e in pulls), (pulls, now.nbytes)
+    assert copy.version == now.version
+    step = max(float(np.abs(y - x).max()) for (_, x), (_, y) in zip(mine, now.arrays)) / 127
+    for (_, x), (_, y) in zip(copy.arrays, now.arrays):
+        # the first change's error (half a step) quantized once more, plus float32 rounding of the sums
+        bound = step / 2 / 127 + 2 * np.spacing(np.abs(y))
+        assert (np.abs(x - y) <= bound).all(), float((np.abs(x - y) - bound).max())
+
+
+def test_a_restarted_outer_optimizer_still_holds_version_0(tmp_path):
+    """Version 0 is rebuilt from the run's seed at every start, before the checkpoint is
+    restored over the global parameters: after merges and a restart it is still the seeded
+    model, bit for bit, while the global parameters are the restored ones."""
+    from outer_helpers import push, tiny_config
+
+    from ddiloco.outer.state import OuterState
+
+    cfg = tiny_config("held-restart")
+    state = OuterState(cfg, tmp_path)
+    push(state, 0, 1, seed=1)
+    assert state.merge(0, force=True)
+    assert state.checkpoint() is not None
+    restored = OuterState(cfg, tmp_path)
+    assert restored.version == state.version > 0
+    seeded = seeded_fragment(cfg)
+    _, _, now = restored.snapshot(0)
+    for kept, (_, x), (_, y) in zip(restored.initial_fragment(0), seeded, now):
+        np.testing.assert_array_equal(kept, x)
+        assert not kept.flags.writeable  # a learner's download view may share it
+        assert not np.array_equal(kept, y)  # the global parameters moved on

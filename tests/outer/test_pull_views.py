@@ -99,20 +99,77 @@ def test_pulls_for_unregistered_ids_are_refused_and_keep_no_copy(cluster_factory
     assert learner.global_state() == before
 
 
-def test_learners_joining_on_one_version_cost_one_hash_of_it_and_a_new_version_one_more(monkeypatch):
-    """A copy a learner names by digest (its seeded model) is checked against the current
-    version's digest, computed once per version of the fragment however many learners join."""
+def test_learners_naming_the_seeded_model_cost_one_hash_of_it_for_the_whole_run(monkeypatch):
+    """A copy a learner names by digest (its seeded model, version 0) is checked against
+    version 0's digest, computed once however many learners join and whatever version the
+    fragment has reached."""
     from ddiloco.common import codec
 
     calls = []
     real = codec.held_digest
     monkeypatch.setattr(codec, "held_digest", lambda held: calls.append(1) or real(held))
-    views = DownloadViews("int8", 64, max_learners=8)
     v0 = _arrays(0)
+    views = DownloadViews("int8", 64, max_learners=8, initial=lambda f: [a for _, a in v0])
     mine = real([a for _, a in v0])
     for learner in range(4):
         enc, base = views.encode_for(learner, 0, 0, 0, v0, have_digest=mine)
         assert base == 0 and len(enc.payload) < 200  # a change of nothing
+    for learner in range(4, 8):
+        _, base = views.encode_for(learner, 0, 0, 3, _arrays(3), have_digest=mine)
+        assert base == 0  # the change since version 0
     assert len(calls) == 1
-    _, base = views.encode_for(5, 0, 1, 1, _arrays(1), have_digest=mine)
-    assert base == -1 and len(calls) == 2  # another version: hashed again, and not the copy named
+
+
+def _moved(v0, scale: float, seed: int):
+    rng = np.random.default_rng(seed)
+    return [(n, a + rng.uniform(-scale, scale, size=a.shape).astype(np.float32)) for n, a in v0]
+
+
+def test_a_claim_of_version_0_after_merges_gets_one_quantized_change_then_its_residual():
+    """The outer optimizer keeps version 0: a learner that joins at version 7 holding it gets
+    global - version 0 through the run's codec (about a third of fp32 with int8), its view is what
+    it decoded, and asking again from there sends what the quantizer lost: after two
+    downloads its copy is within a quantization step of the first download's error."""
+    from ddiloco.common import codec
+
+    v0 = _arrays(0)
+    views = DownloadViews("int8", 64, max_learners=8, initial=lambda f: [a for _, a in v0])
+    now = _moved(v0, 0.05, 1)
+    full = codec.encode(now, "fp32")
+    enc, base = views.encode_for(3, 0, 0, 7, now, have_digest=codec.held_digest([a for _, a in v0]))
+    assert base == 0 and len(enc.payload) < len(full.payload) / 2.5
+    copy = [a + d for (_, a), (_, d) in zip(v0, codec.decode_encoded(enc))]
+    first = max(float(np.abs(c - a).max()) for c, (_, a) in zip(copy, now))
+    assert 0 < first <= 0.1 / 127 / 2 * 1.01  # half of int8's step of a change of at most 0.1
+    enc, base = views.encode_for(3, 0, 7, 7, now)
+    assert base == 7 and len(enc.payload) < len(full.payload) / 2.5
+    copy = [c + d for c, (_, d) in zip(copy, codec.decode_encoded(enc))]
+    second = max(float(np.abs(c - a).max()) for c, (_, a) in zip(copy, now))
+    assert second <= first / 127 + 1e-6, (first, second)
+
+
+def test_a_claim_that_is_not_version_0_or_not_its_digest_or_an_fp32_run_gets_the_full_fragment():
+    from ddiloco.common import codec
+
+    v0 = _arrays(0)
+    mine = codec.held_digest([a for _, a in v0])
+    initial = lambda f: [a for _, a in v0]  # noqa: E731
+    views = DownloadViews("int8", 64, max_learners=8, initial=initial)
+    now = _moved(v0, 0.05, 1)
+    assert views.encode_for(1, 0, 1, 7, now, have_digest=mine)[1] == -1  # only version 0 is known by digest
+    other = codec.held_digest([a + 1e-3 for _, a in v0])
+    assert views.encode_for(2, 0, 0, 7, now, have_digest=other)[1] == -1  # not the run's version 0
+    fp32 = DownloadViews("fp32", 64, max_learners=8, initial=initial)
+    assert fp32.encode_for(3, 0, 0, 7, now, have_digest=mine)[1] == -1  # an fp32 change is no smaller
+    enc, base = fp32.encode_for(4, 0, 0, 0, v0, have_digest=mine)
+    assert base == 0 and len(enc.payload) < 200  # at version 0: still nothing to send
+
+
+def test_without_a_kept_version_0_a_claim_holds_only_while_the_fragment_is_at_it():
+    from ddiloco.common import codec
+
+    v0 = _arrays(0)
+    mine = codec.held_digest([a for _, a in v0])
+    views = DownloadViews("int8", 64, max_learners=8)
+    assert views.encode_for(1, 0, 0, 0, v0, have_digest=mine)[1] == 0
+    assert views.encode_for(2, 0, 0, 3, _moved(v0, 0.05, 1), have_digest=mine)[1] == -1

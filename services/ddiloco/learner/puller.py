@@ -11,9 +11,13 @@ the upload direction in total either. Without that bound it was, a little, under
 queued together travel as one upload, while a catch-up may come on top of the download of
 the learner's own merge (a loaded CI run: 210 downloads against about 206 uploads). A learner
 whose deltas are refused as stale still sends them, so it still catches up once per window.
-The initial full copy (``pull_all``) is not counted: it is the model, not a change. A
-learner offers the model it built itself as that copy: a fragment not merged yet then
-costs nothing to download.
+The start-up copy (``pull_all``) is not counted: it is the model, not a change. A learner
+offers the model it built itself (the run's version 0) as that copy, and downloads the change
+since it: nothing for a fragment not merged yet, else every merge so far as one quantized
+change, never the fragment in full (``outer/downloads.py``). Such a change spans the whole run
+so far and is as coarse as its largest values, so the learner asks once more at once, from the
+copy it now holds: the second change carries what the quantizer lost (within one quantization
+step of that error, as close as any later copy), at the cost of one more download.
 
 Downloads are the change since the learner's copy (see ``ddiloco.outer.downloads``); the
 puller keeps that copy per fragment, applies each change to it exactly as the outer
@@ -156,7 +160,11 @@ class Puller:
             if held is not None and self.copies[f].arrays is None:
                 self.copies[f] = FragmentCopy(version=0, arrays=[(n, np.array(a, dtype=np.float32)) for n, a in held[f]])
                 self._held_digest[f] = codec.held_digest([a for _, a in self.copies[f].arrays])
-            self._pull(client, f, self._mine(status, f), timeout, stop, start=True)
+            copy, base = self._pull(client, f, self._mine(status, f), timeout, stop, start=True)
+            if 0 <= base < copy.version:
+                # a quantized change across merges (the module docstring): once more, for what
+                # the quantizer lost
+                self._pull(client, f, self._mine(status, f), timeout, stop, start=True, refine=True)
         return list(self.copies)
 
     def start(self, supervisor: Supervisor) -> None:
@@ -172,7 +180,7 @@ class Puller:
             self.arrived.clear()
             return items
 
-    def _apply(self, got: GlobalParams, merged_mine: int, start: bool = False) -> FragmentCopy:
+    def _apply(self, got: GlobalParams, merged_mine: int, start: bool = False, refine: bool = False) -> FragmentCopy:
         old = self.copies[got.fragment]
         if got.base_version < 0:
             arrays = got.arrays
@@ -188,7 +196,7 @@ class Puller:
         self.stats.set(global_version=sum(max(c.version, 0) for c in self.copies))
         self.metrics.event(
             "pull", learner=self.learner_id, fragment=got.fragment, version=got.version, bytes=got.nbytes,
-            full=got.base_version < 0, start=start,
+            full=got.base_version < 0, start=start, refine=refine,
         )
         return copy
 
@@ -215,12 +223,14 @@ class Puller:
 
     def _pull(
         self, client: OuterClient, fragment: int, merged_mine: int, timeout: float, stop: threading.Event | None = None,
-        pace_s: float = 0.0, start: bool = False,
-    ) -> FragmentCopy:
+        pace_s: float = 0.0, start: bool = False, refine: bool = False,
+    ) -> tuple[FragmentCopy, int]:
         """Download one fragment into its copy, retrying what a new download can repair and
         waiting out the rate limit. ``pace_s``: the first attempt's span (a retry is late
         already and goes at link speed). ``start``: the start-up copy (``pull_all``; its
-        ``pull`` event says so)."""
+        ``pull`` event says so, and ``refine`` that it is the second one, after a change
+        across merges). Returns the new copy and the version the download was based on (-1:
+        the fragment in full)."""
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
         full = False  # after a mismatch, ask for the whole fragment
         failures = 0
@@ -230,9 +240,9 @@ class Puller:
                 digest = b"" if full else self._held_digest.get(fragment, b"")
                 got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout + pace_s,
                                   pace_s=pace_s, have_digest=digest)
-                copy = self._apply(got, merged_mine, start)
+                copy = self._apply(got, merged_mine, start, refine)
                 self._held_digest.pop(fragment, None)  # confirmed (a change on it) or replaced (in full)
-                return copy
+                return copy, got.base_version
             except grpc.RpcError as exc:
                 pace_s = 0.0
                 hint = retry_after(exc.details()) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
@@ -289,7 +299,7 @@ class Puller:
                     pace_s = self.pace(len(wanted) - i) if self.pace is not None else 0.0
                     before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
-                    copy = self._pull(client, fragment, self._mine(status, fragment), timeout=300, pace_s=pace_s)
+                    copy, _ = self._pull(client, fragment, self._mine(status, fragment), timeout=300, pace_s=pace_s)
                     self.downloads[fragment] += 1
                     if before >= 0 and copy.merged_mine > before:
                         copy.lead_s = self._lead(status, fragment)

@@ -7,14 +7,21 @@ codec and advances the remembered copy by what was actually sent. The quantizati
 one download is thus corrected by the next one instead of accumulating: the learner's copy
 stays within one round of quantization error of the true global parameters.
 
-The full fragment (fp32) goes out only when a learner joins, rejoins, or asks from a
-version this side no longer holds. A learner that joins while a fragment is still at the
-version it built itself (the run's seeded initial model, before that fragment's first
-merge) names its copy by digest instead (``have_digest``): if it is exactly the current
-version, that copy becomes the learner's view and the answer is the change since it, which
-is nothing; the whole model is not sent over the WAN to every datacenter at the start of a
-run that each can build itself. The copy before the latest download is kept as well, so
-a download lost in transit (the learner asks again from its older version) costs nothing.
+The full fragment (fp32) goes out only when a learner joins or rejoins with a copy this
+side does not know, or asks from a version this side no longer holds. A learner that joins
+holding the model it built itself (the run's seeded initial model: version 0) names that copy
+by digest (``have_digest``). This side keeps each fragment's version 0 for the whole run
+(``initial``, one more copy of the fragments beside the global ones), so such a copy becomes
+the learner's view whatever version the fragment has reached since, and the answer is the
+change since it, quantized like any download: nothing while the fragment is still at version
+0, else every merge so far in one change. The whole model is thus never sent over the WAN to
+a datacenter that can build it itself: not at the start of a run, not to a learner that
+starts after the first merges (a quorum of half the learners merges before the others are
+up), not to one that restarts. The learner asks once more at once after such a change
+(``learner/puller.py``): a change that spans many merges is large, and the second download,
+from the copy the first one left, carries what the quantizer lost. The copy before the
+latest download is kept as well, so a download lost in transit (the learner asks again from
+its older version) costs nothing.
 
 Bounded: every remembered copy is a full fragment, so views are kept for at most
 ``max_learners`` learners, least recently pulled first out. The service only asks for
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
@@ -34,7 +42,13 @@ from ddiloco.common import codec
 
 
 class DownloadViews:
-    def __init__(self, codec_name: str, block_size: int, max_learners: int) -> None:
+    def __init__(
+        self, codec_name: str, block_size: int, max_learners: int,
+        initial: Callable[[int], list[np.ndarray]] | None = None,
+    ) -> None:
+        """``initial(fragment)``: that fragment's version 0, never written to (a learner's view
+        may share it). Without it, a claimed copy is recognised only while the fragment is
+        still at version 0."""
         if max_learners < 1:
             raise ValueError(f"max_learners must be at least 1, got {max_learners}")
         self.codec = codec_name
@@ -43,9 +57,10 @@ class DownloadViews:
         # learner -> fragment -> {version: copy}; order is recency of the learner's last pull
         self._views: OrderedDict[int, dict[int, dict[int, list[np.ndarray]]]] = OrderedDict()
         self.evicted = 0
-        # fragment -> (version, held_digest of it): every learner that joins names the same
-        # copy, so a fragment is hashed once per version, not once per learner
-        self._digests: dict[int, tuple[int, bytes]] = {}
+        self.initial = initial
+        # fragment -> held_digest of its version 0: every learner that joins names the same
+        # copy, so it is hashed once, not once per learner
+        self._digests: dict[int, bytes] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -67,20 +82,26 @@ class DownloadViews:
         self._views.move_to_end(learner_id)
         return views
 
-    def _digest(self, fragment: int, version: int, held: list[np.ndarray]) -> bytes:
-        cached = self._digests.get(fragment)
-        if cached is None or cached[0] != version:
-            cached = self._digests[fragment] = (version, codec.held_digest(held))
-        return cached[1]
+    def _version0(self, fragment: int, version: int, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Fragment ``fragment``'s version 0, if this side knows it: ``arrays`` are the
+        current version, ``version``."""
+        if self.initial is not None:
+            return self.initial(fragment)
+        return arrays if version == 0 else None
+
+    def _digest(self, fragment: int, copy: list[np.ndarray]) -> bytes:
+        if fragment not in self._digests:
+            self._digests[fragment] = codec.held_digest(copy)
+        return self._digests[fragment]
 
     def encode_for(
         self, learner_id: int, fragment: int, have_version: int, version: int, arrays: list[tuple[str, np.ndarray]],
         have_digest: bytes = b"",
     ) -> tuple[codec.Encoded, int]:
         """Returns (payload, base_version): base -1 means a full fp32 fragment. ``have_digest``:
-        the learner's own copy, claimed to be ``have_version`` (the module docstring); its
-        claim is checked against the current version only (a digest of it), and ignored
-        (the full fragment) if it is not that.
+        the learner's own copy, claimed to be ``have_version`` (the module docstring); the
+        claim holds only for version 0, checked by a digest of it, and is ignored (the full
+        fragment) otherwise.
 
         The encode runs under the lock, so the learners pulling after a merge are encoded
         one at a time. Encoding outside it was tried and measured slower on two cores
@@ -90,11 +111,10 @@ class DownloadViews:
         with self._lock:
             views = self._fragments_of(learner_id)
             if have_digest:
-                held = [a for _, a in arrays]
-                if have_version != version or self._digest(fragment, version, held) != have_digest:
-                    base = None
-                else:
-                    base = [a.copy() for a in held]
+                current = [a for _, a in arrays]
+                v0 = self._version0(fragment, version, current) if have_version == 0 else None
+                base = v0 if v0 is not None and self._digest(fragment, v0) == have_digest else None
+                if base is not None and version == 0:
                     views[fragment] = {version: base}
                     # nothing changed since the learner's copy: a change of zeros, compressed to
                     # next to nothing whatever the codec

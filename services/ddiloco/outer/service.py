@@ -446,7 +446,8 @@ class OuterService:
         state_dir = run_dir / self.name if run_dir else None
         self.state = OuterState(self.config, state_dir, self.metrics, shard=shard)
         self.downloads = DownloadViews(
-            self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners)
+            self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners),
+            initial=self.state.initial_fragment,
         )
         self.partials = PartialUploads(self.config.learners + max(VIEW_MARGIN, self.config.learners))
         # who evaluates: the one process, or shard 0 of several, on the gathered global model

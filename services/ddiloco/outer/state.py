@@ -87,6 +87,11 @@ def check_fragments_fit(config: RunConfig, fragment_shapes: list[list[tuple[int,
             )
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 class OuterState:
     def __init__(
         self, config: RunConfig, state_dir: pathlib.Path | None, metrics: MetricsLog | None = None, workload=None,
@@ -124,6 +129,12 @@ class OuterState:
         del model, named
         if config.init_from:
             self._warm_start(pathlib.Path(config.init_from))
+        # version 0 of this shard's fragments, before any restore: a learner that joins holding
+        # the model it built itself is sent the change since it, not the fragment in full
+        # (outer/downloads.py); read-only, as a learner's download view shares it
+        self.version0: list[np.ndarray | None] = [
+            None if p is None else _read_only(p.numpy().copy()) for p in self.params
+        ]
         ocfg = config.outer
         self.fragments = [
             Fragment(f, self.parts[f], merge.WorkClockNesterov(ocfg.lr, ocfg.momentum, ocfg.nesterov, ocfg.full_gain_rounds)) for f in owned
@@ -178,6 +189,10 @@ class OuterState:
                 f"fragment {index} belongs to outer shard {index % self.config.outer_shards}, this is shard {self.shard}"
             )
         return frag
+
+    def initial_fragment(self, index: int) -> list[np.ndarray]:
+        """Fragment ``index`` at version 0 (the seeded or warm-started model), read-only."""
+        return [self.version0[i] for i in self.fragment(index).tensor_ids]
 
     def tensor(self, i: int) -> torch.Tensor:
         """Parameter tensor ``i``, which this shard owns."""
