@@ -47,3 +47,22 @@ def test_a_held_lock_excludes_another_process_until_released(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_the_long_files_named_for_the_workers_order_exist_and_come_first_whole():
+    """tests/conftest.py queues the longest files first (the workers' schedule): a file named
+    there that no longer exists would silently fall back to the end of the queue."""
+    from conftest import LONG_FILES, order_files
+
+    for name in LONG_FILES:
+        assert (TESTS / name).is_file(), f"tests/conftest.py names {name}, which does not exist"
+
+    class Item:
+        def __init__(self, path: str, name: str) -> None:
+            self.fspath, self.name = TESTS / path, name
+
+    items = [Item("common/test_a.py", "1"), Item(LONG_FILES[1], "1"), Item("common/test_b.py", "1"),
+             Item("common/test_b.py", "2"), Item(LONG_FILES[0], "1"), Item(LONG_FILES[1], "2")]
+    order = [(str(i.fspath.relative_to(TESTS)), i.name) for i in order_files(items)]
+    assert order == [(LONG_FILES[0], "1"), (LONG_FILES[1], "1"), (LONG_FILES[1], "2"),
+                     ("common/test_b.py", "1"), ("common/test_b.py", "2"), ("common/test_a.py", "1")]
