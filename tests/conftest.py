@@ -13,7 +13,7 @@ if str(ROOT / "services") not in sys.path:  # lets the suite run from a plain ch
 
 from ddiloco.launcher.processes import Cluster  # noqa: E402
 
-from support import TINY_RUN, host_wide_lock, wait_serving, wait_until  # noqa: E402,F401
+from support import TINY_RUN, host_wide_lock, order_files, file_of, wait_serving, wait_until  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- the slow tier
@@ -43,7 +43,7 @@ _held: dict = {}  # the open lock file while this process holds it
 
 
 def _host_wide(item) -> bool:
-    return _rel(item).startswith(HOST_WIDE)
+    return file_of(item).startswith(HOST_WIDE)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,51 +56,6 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     if "lock" in _held and (nextitem is None or nextitem.fspath != item.fspath):
         _held.pop("lock").__exit__(None, None, None)
-
-
-# The order the two workers take test files in. xdist would queue files by their number of
-# tests, so the few-test files that run longest (the quick benches, the Compose and Swarm runs)
-# came last: both workers then waited for one another at the end, on the host-wide lock
-# (measured: 101 s of a 916 s run) or on one long file alone. Longest first instead (a
-# longest-processing-time schedule), the host-wide ones alternating with others so that the
-# two workers rarely want the lock at once; every other file follows, most tests first as
-# before. Approximate seconds per file on 2 cores, from `--durations` runs; the order is all
-# that matters (tests/test_host_wide_lock.py checks that every file named here exists).
-LONG_FILES = (
-    "bench/test_chaos_quick.py",  # ~190 s
-    "bench/test_bandwidth_quick.py",  # host-wide, ~80 s
-    "learner/test_learner_group.py",  # ~75 s
-    "docker/test_docker_compose_e2e.py",  # host-wide, ~75 s
-    "chaos/test_coordinator_kill.py",  # ~55 s
-    "docker/test_docker_swarm_e2e.py",  # host-wide, ~70 s
-    "launcher/test_resume.py",  # ~50 s
-    "docker/test_docker_monitoring_e2e.py",  # host-wide, ~45 s
-    "bench/test_merge_ablation_quick.py",  # ~47 s
-    "netns/test_shaped_run.py",  # host-wide, ~30 s
-    "chaos/test_outer_restart_quality.py",  # ~45 s
-    "chaos/test_outer_shard_kill.py",  # ~44 s
-    "workloads/test_examples.py",  # ~41 s
-    "launcher/test_end_to_end.py",  # ~40 s
-    "workloads/test_hf.py",  # ~39 s
-    "bench/test_peer_diloco_quick.py",  # ~33 s
-    "launcher/test_fragments_and_mixed_speed.py",  # ~30 s
-    "bench/test_learner_overhead_quick.py",  # ~30 s
-)
-
-
-def _rel(item) -> str:
-    return pathlib.Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").as_posix()
-
-
-def order_files(items: list) -> list:
-    """``items`` with whole files in the order above: the long ones first, then the rest by
-    their number of tests, most first (xdist's own order). Stable within a file."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(_rel(item), []).append(item)
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    ordered = sorted(files, key=lambda f: (0, rank[f]) if f in rank else (1, -len(files[f])))
-    return [item for f in ordered for item in files[f]]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -52,7 +52,7 @@ def test_a_held_lock_excludes_another_process_until_released(tmp_path):
 def test_the_long_files_named_for_the_workers_order_exist_and_come_first_whole():
     """tests/conftest.py queues the longest files first (the workers' schedule): a file named
     there that no longer exists would silently fall back to the end of the queue."""
-    from conftest import LONG_FILES, order_files
+    from support import LONG_FILES, order_files
 
     for name in LONG_FILES:
         assert (TESTS / name).is_file(), f"tests/conftest.py names {name}, which does not exist"
