@@ -53,6 +53,30 @@ def test_learners_of_a_warm_started_run_download_the_given_model_not_their_seede
         assert torch.equal(torch.from_numpy(got), torch.from_numpy(given))
 
 
+def test_a_learner_that_can_read_the_warm_start_starts_from_it_and_downloads_nothing(run, cluster_factory):  # noqa: F811
+    """Real processes: a learner of a run started ``--init-from`` a folder it can read builds
+    the model, reads the warm start into it (after its signature, which is the seeded
+    model's), names that copy at its start-up pull and is sent a change of nothing, not the
+    model in full."""
+    import json
+
+    from support import wait_until
+
+    folder, trained, _ = run
+    cluster = cluster_factory(["--init-from", str(folder)], learners=1)
+
+    def events():
+        path = cluster.out / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    wait_until(lambda: any(e["event"] == "learner_start" for e in events()), 120, "learner 0 to start training")
+    pulls = [e for e in events() if e["event"] == "pull" and e["start"]]
+    assert pulls and all(not e["full"] and e["version"] == 0 and e["bytes"] < 1_000 for e in pulls), pulls
+    warm = [e for e in events() if e["event"] == "warm_start"]
+    assert {e["source"] for e in warm} == {"outer", "learner-0"}, warm
+    assert all(e["version"] == 5 for e in warm)
+
+
 def test_a_runs_own_checkpoint_wins_over_the_warm_start(run, tmp_path):  # noqa: F811
     folder, _, _ = run
     cfg = _config()

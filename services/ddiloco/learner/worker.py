@@ -337,6 +337,27 @@ class Learner:
             return client.shard_statuses(position=True)
         return [client.status(position=True)]
 
+    def _read_warm_start(self, cfg: RunConfig) -> None:
+        """``--init-from``: the run's version 0 is that model, not the seeded one. A learner
+        that can read the same path (one host, or a copy staged at its site) starts from it,
+        and its start-up pull, which names the copy it holds by digest, then costs nothing
+        instead of the model in full (outer/downloads.py). One that cannot downloads it, as
+        before. After the signature, which the coordinator checks against the seeded model."""
+        from ddiloco.modelio.source import SourceError, check_matches, load
+
+        path = pathlib.Path(cfg.init_from)
+        try:
+            source = load(path)
+            check_matches(source, cfg)
+        except (OSError, SourceError) as exc:
+            log.info("--init-from %s is not readable here (%s): the model comes from the outer optimizer", path, exc)
+            return
+        with torch.no_grad():
+            for name, p in self.initial_model.named_parameters():
+                p.copy_(source.params[name].float())
+        self.metrics.event("warm_start", path=str(path), version=source.version, run_id=source.run_id,
+                           learner=self.learner_id)
+
     def client(self) -> OuterClient | ShardedOuterClient:
         with self._client_lock:
             assert self._client is not None
@@ -351,6 +372,8 @@ class Learner:
                 self.metrics.observers.append(self.exporter.observe)
         self.inner_steps = self.options.inner_steps or lcfg.inner_steps
         workload = self.workload
+        if cfg.init_from:
+            self._read_warm_start(cfg)
         self.model = self.initial_model.to(self.device)
         self.params = [p for p in self.model.parameters()]
         self.names = [n for n, _ in self.model.named_parameters()]
