@@ -348,7 +348,7 @@ class Learner:
         path = pathlib.Path(cfg.init_from)
         try:
             source = load(path)
-            check_matches(source, cfg)
+            check_matches(source, cfg, self.initial_model)
         except (OSError, SourceError) as exc:
             log.info("--init-from %s is not readable here (%s): the model comes from the outer optimizer", path, exc)
             return

@@ -75,10 +75,12 @@ def _build(cfg: RunConfig, origin: str) -> torch.nn.Module:
         raise SourceError(f"{origin}: {exc}") from exc
 
 
-def check_matches(g: GlobalModel, cfg: RunConfig) -> None:
+def check_matches(g: GlobalModel, cfg: RunConfig, built: torch.nn.Module | None = None) -> None:
     """Raise ``SourceError`` unless ``g`` holds exactly the parameters, with the same
-    shapes, that the run's workload builds (a warm start must fit the run's model)."""
-    want = {n: tuple(p.shape) for n, p in _build(cfg, "the run's workload").named_parameters()}
+    shapes, that the run's workload builds (a warm start must fit the run's model).
+    ``built``: that model, if the caller has built it already (it is not built again)."""
+    model = built if built is not None else _build(cfg, "the run's workload")
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
     have = {n: tuple(t.shape) for n, t in g.params.items()}
     if want != have:
         diff = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))

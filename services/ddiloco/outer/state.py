@@ -126,9 +126,9 @@ class OuterState:
         ]
         embeddings = self.workload.embedding_names(model)
         self.plain_average = [n in embeddings for n in self.names]
-        del model, named
         if config.init_from:
-            self._warm_start(pathlib.Path(config.init_from))
+            self._warm_start(pathlib.Path(config.init_from), model)
+        del model, named
         # version 0 of this shard's fragments, before any restore: a learner that joins holding
         # the model it built itself is sent the change since it, not the fragment in full
         # (outer/downloads.py); read-only, as a learner's download view shares it
@@ -160,14 +160,15 @@ class OuterState:
             self.merge_journal = MergeJournal(state_dir / "merges")
             recovery.restore(self)
 
-    def _warm_start(self, path: pathlib.Path) -> None:
+    def _warm_start(self, path: pathlib.Path, model: torch.nn.Module) -> None:
         """The initial parameters from ``path`` (``RunConfig.init_from``). Before any restore:
         a run with checkpoints of its own restores them over this, and merges journaled
-        before its first checkpoint replay on top of it, as on the seed's initialisation."""
+        before its first checkpoint replay on top of it, as on the seed's initialisation.
+        ``model``: the run's model as built here, to check the source against."""
         from ddiloco.modelio.source import check_matches, load
 
         source = load(path)
-        check_matches(source, self.config)  # also checked by the CLI before anything starts
+        check_matches(source, self.config, model)  # also checked by the CLI before anything starts
         self.params = [
             source.params[n].detach().clone().float() if p is not None else None for n, p in zip(self.names, self.params)
         ]
