@@ -21,8 +21,12 @@ def _arrays(seed: int):
     return [("w", rng.normal(size=(64, 64)).astype(np.float32)), ("b", rng.normal(size=64).astype(np.float32))]
 
 
+def _version0(fragment: int) -> list[np.ndarray]:
+    return [a for _, a in _arrays(0)]
+
+
 def test_views_stay_bounded_over_1500_random_learner_ids():
-    views = DownloadViews("int8", 64, max_learners=10)
+    views = DownloadViews("int8", 64, max_learners=10, initial=_version0)
     rng = random.Random(0)
     for i in range(1500):
         views.encode_for(rng.randrange(-(2**31), 2**31), 0, -1, i, _arrays(i))
@@ -31,7 +35,7 @@ def test_views_stay_bounded_over_1500_random_learner_ids():
 
 
 def test_an_evicted_learner_gets_the_full_fragment_and_recent_ones_keep_their_view():
-    views = DownloadViews("int8", 64, max_learners=2)
+    views = DownloadViews("int8", 64, max_learners=2, initial=_version0)
     _, base = views.encode_for(1, 0, -1, 1, _arrays(1))
     assert base == -1  # first pull: full fp32
     _, base = views.encode_for(1, 0, 1, 2, _arrays(2))
@@ -53,8 +57,8 @@ def test_downloads_encoded_at_once_equal_those_encoded_one_by_one():
             out.append((base, enc.payload))
         return out
 
-    alone = pulls(DownloadViews("int8", 64, max_learners=8), 0)
-    views = DownloadViews("int8", 64, max_learners=8)
+    alone = pulls(DownloadViews("int8", 64, max_learners=8, initial=_version0), 0)
+    views = DownloadViews("int8", 64, max_learners=8, initial=_version0)
     results: dict[int, list] = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, pulls(views, i))) for i in range(8)]
     for th in threads:
@@ -109,7 +113,7 @@ def test_learners_naming_the_seeded_model_cost_one_hash_of_it_for_the_whole_run(
     real = codec.held_digest
     monkeypatch.setattr(codec, "held_digest", lambda held: calls.append(1) or real(held))
     v0 = _arrays(0)
-    views = DownloadViews("int8", 64, max_learners=8, initial=lambda f: [a for _, a in v0])
+    views = DownloadViews("int8", 64, max_learners=8, initial=_version0)
     mine = real([a for _, a in v0])
     for learner in range(4):
         enc, base = views.encode_for(learner, 0, 0, 0, v0, have_digest=mine)
@@ -133,7 +137,7 @@ def test_a_claim_of_version_0_after_merges_gets_one_quantized_change_then_its_re
     from ddiloco.common import codec
 
     v0 = _arrays(0)
-    views = DownloadViews("int8", 64, max_learners=8, initial=lambda f: [a for _, a in v0])
+    views = DownloadViews("int8", 64, max_learners=8, initial=_version0)
     now = _moved(v0, 0.05, 1)
     full = codec.encode(now, "fp32")
     enc, base = views.encode_for(3, 0, 0, 7, now, have_digest=codec.held_digest([a for _, a in v0]))
@@ -153,23 +157,13 @@ def test_a_claim_that_is_not_version_0_or_not_its_digest_or_an_fp32_run_gets_the
 
     v0 = _arrays(0)
     mine = codec.held_digest([a for _, a in v0])
-    initial = lambda f: [a for _, a in v0]  # noqa: E731
-    views = DownloadViews("int8", 64, max_learners=8, initial=initial)
+    views = DownloadViews("int8", 64, max_learners=8, initial=_version0)
     now = _moved(v0, 0.05, 1)
     assert views.encode_for(1, 0, 1, 7, now, have_digest=mine)[1] == -1  # only version 0 is known by digest
     other = codec.held_digest([a + 1e-3 for _, a in v0])
     assert views.encode_for(2, 0, 0, 7, now, have_digest=other)[1] == -1  # not the run's version 0
-    fp32 = DownloadViews("fp32", 64, max_learners=8, initial=initial)
+    fp32 = DownloadViews("fp32", 64, max_learners=8, initial=_version0)
     assert fp32.encode_for(3, 0, 0, 7, now, have_digest=mine)[1] == -1  # an fp32 change is no smaller
     enc, base = fp32.encode_for(4, 0, 0, 0, v0, have_digest=mine)
     assert base == 0 and len(enc.payload) < 200  # at version 0: still nothing to send
 
-
-def test_without_a_kept_version_0_a_claim_holds_only_while_the_fragment_is_at_it():
-    from ddiloco.common import codec
-
-    v0 = _arrays(0)
-    mine = codec.held_digest([a for _, a in v0])
-    views = DownloadViews("int8", 64, max_learners=8)
-    assert views.encode_for(1, 0, 0, 0, v0, have_digest=mine)[1] == 0
-    assert views.encode_for(2, 0, 0, 3, _moved(v0, 0.05, 1), have_digest=mine)[1] == -1

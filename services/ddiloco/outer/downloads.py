@@ -43,12 +43,10 @@ from ddiloco.common import codec
 
 class DownloadViews:
     def __init__(
-        self, codec_name: str, block_size: int, max_learners: int,
-        initial: Callable[[int], list[np.ndarray]] | None = None,
+        self, codec_name: str, block_size: int, max_learners: int, initial: Callable[[int], list[np.ndarray]],
     ) -> None:
         """``initial(fragment)``: that fragment's version 0, never written to (a learner's view
-        may share it). Without it, a claimed copy is recognised only while the fragment is
-        still at version 0."""
+        may share it)."""
         if max_learners < 1:
             raise ValueError(f"max_learners must be at least 1, got {max_learners}")
         self.codec = codec_name
@@ -82,13 +80,6 @@ class DownloadViews:
         self._views.move_to_end(learner_id)
         return views
 
-    def _version0(self, fragment: int, version: int, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
-        """Fragment ``fragment``'s version 0, if this side knows it: ``arrays`` are the
-        current version, ``version``."""
-        if self.initial is not None:
-            return self.initial(fragment)
-        return arrays if version == 0 else None
-
     def _digest(self, fragment: int, copy: list[np.ndarray]) -> bytes:
         if fragment not in self._digests:
             self._digests[fragment] = codec.held_digest(copy)
@@ -111,9 +102,8 @@ class DownloadViews:
         with self._lock:
             views = self._fragments_of(learner_id)
             if have_digest:
-                current = [a for _, a in arrays]
-                v0 = self._version0(fragment, version, current) if have_version == 0 else None
-                base = v0 if v0 is not None and self._digest(fragment, v0) == have_digest else None
+                v0 = self.initial(fragment)
+                base = v0 if have_version == 0 and self._digest(fragment, v0) == have_digest else None
                 if base is not None and version == 0:
                     views[fragment] = {version: base}
                     # nothing changed since the learner's copy: a change of zeros, compressed to
