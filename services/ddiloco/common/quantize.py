@@ -12,19 +12,25 @@ Every step is an exactly rounded IEEE operation (division, not multiplication by
 reciprocal: a divisor that is a plain Python number lets some backends do the latter, so
 divisors here are always tensors), hence the same bits on any CPU or GPU.
 
+On the CPU the rule runs in ``quantize_cpu``'s compiled kernels, one pass over memory per
+block. Elsewhere (a learner's delta on its GPU) it runs here in torch, where the whole tensor
+is one chunk; the torch path also runs on the CPU, in the tests, as the kernels' check.
+
 Why torch, in chunks: the first codec ran every step over the whole tensor, each step
 allocating and writing a temporary as large as the input, so quantization cost several
 passes through main memory. Here the input is taken ``CHUNK_ELEMS`` values at a time, the
 scratch buffers fit in a core's L2 cache, and only the input, the codes and (with error
 feedback) the residual travel through memory once each. torch's elementwise kernels are
-vectorized; they run on the GPU unchanged when the input lives there (one chunk: the whole
-tensor). Reads from payload bytes go through numpy, which takes read-only buffers.
+vectorized; they run on the GPU unchanged when the input lives there. Reads from payload
+bytes go through numpy, which takes read-only buffers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from ddiloco.common import quantize_cpu
 
 # 256 Ki values: 1 MiB of float32 scratch plus the chunk of input, within a 2 MiB L2.
 CHUNK_ELEMS = 1 << 18
@@ -67,6 +73,30 @@ def quantize(
     ``x + addend``, chunk by chunk (error feedback's residual plus this round's input: one
     pass less through memory than adding first). Returns False if ``x`` holds a NaN or an
     Inf (the outputs are then meaningless)."""
+    if x.numel() == 0:
+        return True
+    if x.device.type == "cpu":
+        none = _EMPTY.numpy()
+        return quantize_cpu.quantize(
+            x.numpy(), none if addend is None else addend.numpy(), qmax, block, scales.numpy(), codes.numpy(),
+            none if residual is None else residual.numpy(), none if decoded is None else decoded.numpy())
+    return quantize_torch(x, qmax, block, scales, codes, residual, addend, decoded)
+
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
+
+
+def quantize_torch(
+    x: torch.Tensor,
+    qmax: int,
+    block: int,
+    scales: torch.Tensor,
+    codes: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
+    decoded: torch.Tensor | None = None,
+) -> bool:
+    """``quantize`` in torch's elementwise kernels, on any device."""
     n = x.numel()
     if n == 0:
         return True
@@ -127,40 +157,11 @@ def _pack(stage: torch.Tensor, pair: torch.Tensor, length: int, codes: torch.Ten
 
 
 def dequantize(codes: np.ndarray, qmax: int, block: int, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """The inverse: ``out`` (flat float32, n values) from ``codes`` (a read-only numpy view:
-    int8, or packed uint8 for qmax 7) and ``scales``. Work is O(n) whatever ``block`` is:
-    the block size comes from the sender's header."""
-    n = out.numel()
-    if n == 0:
-        return
-    packed = qmax == 7
-    rows = _chunk_rows(block, n, out.device)
-    span = min(rows * block, n)
-    tmp = torch.empty(span + 1, dtype=torch.float32)
-    tmp_np = tmp.numpy()
-    pair = torch.empty((span + 2) // 2, dtype=torch.int16) if packed else None
-    pair_np = pair.numpy() if packed else None
-    hi_nib = torch.empty_like(pair) if packed else None
-    full = n // block
-    start = 0
-    while start < n:
-        k, width, length = _step(start, n, block, rows, full)
-        if packed:
-            first, last = start // 2, (start + length + 1) // 2
-            m = last - first
-            np.copyto(pair_np[:m], codes[first:last], casting="unsafe")
-            p = pair[:m]
-            # byte b -> int16 (b & 15) | (b >> 4) << 8: read as bytes, the two codes in order
-            torch.bitwise_and(p, 0xF0, out=hi_nib[:m]).bitwise_left_shift_(4)
-            p.bitwise_and_(0x0F).bitwise_or_(hi_nib[:m])
-            codes8 = p.view(torch.int8)
-            codes8.sub_(8)  # per byte, 0..15 -> -8..7: no borrow across bytes
-            tmp[:length].copy_(codes8[:length])
-        else:
-            np.copyto(tmp_np[:length], codes[start : start + length], casting="unsafe")
-        sc = scales[start // block : start // block + k]
-        torch.mul(tmp[:length].view(k, width), sc.unsqueeze(1), out=out[start : start + length].view(k, width))
-        start += length
+    """The inverse: ``out`` (flat float32 on the CPU, n values) from ``codes`` (a read-only
+    numpy view: int8, or packed uint8 for qmax 7) and ``scales``. Work is O(n) whatever
+    ``block`` is: the block size comes from the sender's header."""
+    if out.numel():
+        quantize_cpu.dequantize(codes, qmax, block, scales.numpy(), out.numpy())
 
 
 def scales_are_safe(scales: torch.Tensor) -> bool:

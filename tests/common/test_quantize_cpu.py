@@ -1,0 +1,115 @@
+"""The compiled CPU kernels give, bit for bit, what the torch path gives (and dequantize what
+a numpy computation written here gives): scales, codes, residual and decoded values, for
+every block width and tail, with and without an addend, on values that probe the rule's
+edges (zeros of both signs, subnormals, halves, values near the float32 maximum) and with
+NaNs and Infs (refused alike)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ddiloco.common import quantize, quantize_cpu
+
+QMAX = {"int8": 127, "int4": 7}
+
+
+def _values(rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 3, size=n)).astype(np.float32)
+    if kind == "edges" and n:
+        x[:: 5] = 0.0
+        x[1:: 7] = -0.0
+        x[2:: 11] = np.float32(1e-41) * rng.integers(-3, 4, size=x[2::11].size)  # subnormal
+        x[3:: 13] = np.float32(3e38) * np.sign(rng.standard_normal(x[3::13].size)).astype(np.float32)
+        x[4:: 17] = np.float32(0.5) * rng.integers(-20, 20, size=x[4::17].size)  # exact halves of a step
+    if kind == "tiny" and n:
+        x[:] = np.float32(1e-42) * rng.integers(-5, 6, size=n)  # every scale underflows to 0
+    return x
+
+
+def _run(fn, x, qmax, block, addend, residual, decoded):
+    n = x.size
+    nb = -(-n // block)
+    scales = np.full(nb, 7.0, np.float32)
+    codes = np.full(n if qmax == 127 else (n + 1) // 2, 0x55, np.int8 if qmax == 127 else np.uint8)
+    xs = x.copy()
+    res = xs if residual == "in-place" else (np.zeros(n, np.float32) if residual == "apart" else None)
+    dec = np.zeros(n, np.float32) if decoded else None
+    t = lambda a: None if a is None else torch.from_numpy(a)  # noqa: E731
+    ok = fn(t(xs), qmax, block, t(scales), t(codes), t(res), t(addend), t(dec))
+    return ok, scales, codes, res, dec
+
+
+def _bits(a):
+    return None if a is None else a.view(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("block", [2, 6, 64, 250])  # even, as every payload header must say
+@pytest.mark.parametrize("kind", ["normal", "edges", "tiny"])
+def test_the_kernel_writes_the_torch_paths_bytes_and_values(name, block, kind):
+    rng = np.random.default_rng([block, len(kind), QMAX[name]])
+    for n in (1, 2, 5, block - 1, block, block + 1, 3 * block + 1, 1000, 4097):
+        if n <= 0:
+            continue
+        x = _values(rng, n, kind)
+        addend = _values(rng, n, "normal") if n % 2 else None  # finite sums
+        for residual, decoded in (("in-place", True), ("apart", False), (None, True), (None, False)):
+            want = _run(quantize.quantize_torch, x, QMAX[name], block, addend, residual, decoded)
+            got = _run(quantize.quantize, x, QMAX[name], block, addend, residual, decoded)
+            assert got[0] == want[0] and want[0], (n, residual)
+            for g, w, what in zip(got[1:], want[1:], ("scales", "codes", "residual", "decoded")):
+                assert _bits(g) == _bits(w), (what, n, residual, decoded)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_nan_or_an_inf_is_reported_as_by_the_torch_path(name, bad):
+    rng = np.random.default_rng(3)
+    for at in (0, 63, 64, 200):
+        x = _values(rng, 257, "normal")
+        x[at] = bad
+        want = _run(quantize.quantize_torch, x, QMAX[name], 64, None, "in-place", True)
+        got = _run(quantize.quantize, x, QMAX[name], 64, None, "in-place", True)
+        assert got[0] is False and want[0] is False
+        # the blocks without it are quantized alike; the bad block's scale is not finite
+        blk = at // 64
+        assert np.isnan(got[1][blk]) == np.isnan(want[1][blk]) and not np.isfinite(got[1][blk])
+        keep = np.arange(got[1].size) != blk
+        assert _bits(got[1][keep]) == _bits(want[1][keep])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("block", [2, 64, 100])
+def test_dequantize_is_each_code_times_its_blocks_scale(name, block):
+    """The inverse, against numpy here: unpack the nibbles (low first, offset 8), multiply
+    in float32 by the scale of the value's block."""
+    rng = np.random.default_rng([block, QMAX[name]])
+    for n in (1, 2, 7, block - 1, block, block + 1, 5 * block + 3, 4099):
+        nb = -(-n // block)
+        scales = (rng.standard_normal(nb) * 10.0 ** rng.integers(-30, 30, size=nb)).astype(np.float32)
+        if name == "int8":
+            codes = rng.integers(-128, 128, size=n, dtype=np.int8)
+            q = codes.astype(np.float32)
+        else:
+            codes = rng.integers(0, 256, size=(n + 1) // 2, dtype=np.uint8)
+            q = np.stack([(codes & 15).astype(np.int16) - 8, (codes >> 4).astype(np.int16) - 8], 1)
+            q = q.reshape(-1)[:n].astype(np.float32)
+        want = q * np.repeat(scales, block)[:n]
+        codes.flags.writeable = False  # as payload bytes arrive
+        out = np.full(n, np.nan, np.float32)
+        quantize.dequantize(codes, QMAX[name], block, torch.from_numpy(scales), torch.from_numpy(out))
+        assert out.tobytes() == want.tobytes(), n
+
+
+def test_the_kernels_are_compiled_and_release_the_gil():
+    """What makes them fast and lets other threads run while a payload is encoded."""
+    x = torch.ones(10)
+    scales, codes, out = torch.empty(1), torch.empty(10, dtype=torch.int8), torch.empty(10)
+    assert quantize.quantize(x, 127, 64, scales, codes)
+    quantize.dequantize(codes.numpy(), 127, 64, scales, out)
+    assert torch.equal(out, x)
+    for kernel in (quantize_cpu.quantize, quantize_cpu.dequantize):
+        assert kernel.targetoptions["nogil"] is True
+        assert kernel.signatures  # compiled machine code, not the interpreted function
