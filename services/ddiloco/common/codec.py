@@ -78,7 +78,9 @@ class Encoded:
     codec: str
     block_size: int
     specs: tuple[TensorSpec, ...]
-    payload: bytes  # as sent
+    # as sent: uncompressed, the very buffer the quantizer wrote (a bytearray: no copy of
+    # the payload at the end of every encode); treat it as read-only
+    payload: bytes | bytearray
     digest: str  # format 2: hex XXH3-128 of ``payload``
     raw_bytes: int  # size before compression, for logs
     compression: str = "none"
@@ -282,7 +284,8 @@ def _encode_flat(
     if compression not in COMPRESSIONS:
         raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     specs = tuple(TensorSpec(name, shape) for name, _, shape in named)
-    raw = np.empty(raw_size(codec, block_size, specs), dtype=np.uint8)
+    buf = bytearray(raw_size(codec, block_size, specs))
+    raw = np.frombuffer(buf, dtype=np.uint8)
     addends = addends if addends is not None else [None] * len(named)
     if codec == "fp32":
         offset = 0
@@ -316,7 +319,7 @@ def _encode_flat(
     if compression == "zstd":
         payload = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw)
     else:
-        payload = raw.tobytes()
+        payload = buf
     return Encoded(
         codec=codec,
         block_size=block_size,
