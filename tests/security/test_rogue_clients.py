@@ -261,7 +261,7 @@ def test_a_stream_with_more_messages_than_its_payload_needs_is_refused(system):
     header, payload = system.delta(0, seq=99)
 
     def flood():
-        yield outer_pb2.DeltaChunk(header=header, data=payload[:10])
+        yield outer_pb2.DeltaChunk(header=header, data=bytes(payload[:10]))
         for _ in range(len(payload)):  # one message per byte, or none at all: many more than 4 KiB chunks
             yield outer_pb2.DeltaChunk(data=b"")
 
