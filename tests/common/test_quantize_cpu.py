@@ -6,6 +6,12 @@ NaNs and Infs (refused alike)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +119,35 @@ def test_the_kernels_are_compiled_and_release_the_gil():
     for kernel in (quantize_cpu.quantize, quantize_cpu.dequantize):
         assert kernel.targetoptions["nogil"] is True
         assert kernel.signatures  # compiled machine code, not the interpreted function
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="a read-only mount in a mount namespace needs root and unshare")
+def test_on_a_read_only_file_system_the_kernels_compile_without_a_cache(tmp_path):
+    """Where neither the module's folder nor the user's cache can be written (a container
+    with a read-only root file system), numba refuses to build a cached function at
+    import; the kernels then compile in each process instead. Real: the module's file on a
+    read-only bind mount, HOME on it too, in a mount namespace of its own."""
+    src = pathlib.Path(quantize_cpu.__file__)
+    ro = tmp_path / "ro"
+    (ro / "home").mkdir(parents=True)
+    shutil.copy(src, ro / src.name)
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import numpy as np, quantize_cpu as k\n"
+        "x = np.arange(-5, 6, dtype=np.float32); e = np.empty(0, np.float32)\n"
+        "s = np.empty(1, np.float32); c = np.empty(11, np.int8)\n"
+        "assert k.quantize(x, e, 127, 64, s, c, e, e)\n"
+        "print(type(k.quantize._cache).__name__, s[0] == np.float32(5) / np.float32(127), c.tolist())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    env.update(HOME=str(ro / "home"), XDG_CACHE_HOME=str(ro / "home"))
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && '
+         'touch "$1/probe" 2>/dev/null && exit 3; exec "$2" -c "$3" "$1"', "sh", str(ro), sys.executable, script],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    kind, scale_ok, codes = out.stdout.split(" ", 2)
+    assert kind == "NullCache" and scale_ok == "True"
+    assert codes.strip() == str([round(v * 25.4) for v in range(-5, 6)])  # no ties: 25.4 v
+    assert sorted(p.name for p in ro.iterdir()) == ["home", src.name]  # nothing was written
