@@ -167,3 +167,44 @@ def test_a_claim_that_is_not_version_0_or_not_its_digest_or_an_fp32_run_gets_the
     enc, base = fp32.encode_for(4, 0, 0, 0, v0, have_digest=mine)
     assert base == 0 and len(enc.payload) < 200  # at version 0: still nothing to send
 
+
+
+def test_learners_holding_the_same_copy_share_one_encoded_answer_and_one_copy():
+    """Sixteen learners that started from the seeded model and pulled the same versions hold
+    the same copy: each pull of the next version is encoded once for all of them, and gives
+    every one of them the bytes it would get alone. A learner with another history gets its
+    own answer."""
+    shared = DownloadViews("int4", 64, max_learners=32, initial=_version0)
+    digest = shared._digest(0, _version0(0))
+    for learner in range(16):  # the start-up claim after three merges, then its refinement
+        shared.encode_for(learner, 0, 0, 3, _arrays(3), have_digest=digest)
+        shared.encode_for(learner, 0, 3, 3, _arrays(3))
+    assert shared.encodes == 2
+    for version in range(4, 8):
+        answers = [shared.encode_for(learner, 0, version - 1, version, _arrays(version)) for learner in range(16)]
+        assert all(enc is answers[0][0] and base == version - 1 for enc, base in answers)
+    assert shared.encodes == 6  # one per version for sixteen learners
+    copies = [shared._views[learner][0][7] for learner in range(16)]
+    assert all(c is copies[0] for c in copies)  # one copy in memory, not sixteen
+
+    alone = DownloadViews("int4", 64, max_learners=32, initial=_version0)
+    alone.encode_for(0, 0, 0, 3, _arrays(3), have_digest=digest)
+    alone.encode_for(0, 0, 3, 3, _arrays(3))
+    for version in range(4, 8):
+        enc, _ = alone.encode_for(0, 0, version - 1, version, _arrays(version))
+    assert bytes(enc.payload) == bytes(answers[0][0].payload)
+
+    # learner 99 joined late with a full fragment: its copy is not theirs
+    shared.encode_for(99, 0, -1, 7, _arrays(7))
+    enc99, base = shared.encode_for(99, 0, 7, 8, _arrays(8))
+    enc0, _ = shared.encode_for(0, 0, 7, 8, _arrays(8))
+    assert base == 7 and enc99 is not enc0 and bytes(enc99.payload) != bytes(enc0.payload)
+    assert shared._views[99][0][8] is not shared._views[0][0][8]
+
+
+def test_a_full_fragment_is_encoded_once_per_version_for_every_learner_that_needs_it():
+    views = DownloadViews("fp32", 64, max_learners=8, initial=_version0)
+    answers = [views.encode_for(learner, 0, -1, 5, _arrays(5)) for learner in range(8)]
+    assert views.encodes == 1 and all(enc is answers[0][0] and base == -1 for enc, base in answers)
+    views.encode_for(0, 0, 5, 6, _arrays(6))
+    assert views.encodes == 2

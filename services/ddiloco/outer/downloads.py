@@ -23,6 +23,15 @@ from the copy the first one left, carries what the quantizer lost. The copy befo
 latest download is kept as well, so a download lost in transit (the learner asks again from
 its older version) costs nothing.
 
+Learners whose remembered copies are the same object (they started from the same copy and
+pulled the same versions since: in synchronous DiLoCo every learner, every round;
+asynchronous learners until their pulls first differ, after which their copies never
+coincide again) get the same answer to a pull of the same version: it is encoded once, and the
+copy it leaves is one object remembered for each of them. The answer is a deterministic
+function of the copy and the version, so sharing it changes no byte; it saves the encode
+(one per pull before: 16 learners pulling after a merge cost 16) and the memory of identical
+copies.
+
 Bounded: every remembered copy is a full fragment, so views are kept for at most
 ``max_learners`` learners, least recently pulled first out. The service only asks for
 learners the coordinator registered, and sizes the bound as the planned learners plus a
@@ -59,6 +68,13 @@ class DownloadViews:
         # fragment -> held_digest of its version 0: every learner that joins names the same
         # copy, so it is hashed once, not once per learner
         self._digests: dict[int, bytes] = {}
+        # fragment -> (version, {key of the learner's copy: (that copy, answer, copy after
+        # it)}): the answers to pulls of the fragment's latest version, shared by
+        # learners holding the same copy (the key is the copy's id, kept alive by the entry,
+        # so it cannot be reused while the entry lives; "initial" for version 0, "full" and
+        # "zeros" for the answers that do not depend on a copy)
+        self._answers: dict[int, tuple[int, dict]] = {}
+        self.encodes = 0  # answers encoded (not shared): what the sharing saves is pulls - encodes
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -101,26 +117,53 @@ class DownloadViews:
         instead of taking turns."""
         with self._lock:
             views = self._fragments_of(learner_id)
+            key = None
             if have_digest:
                 v0 = self.initial(fragment)
                 base = v0 if have_version == 0 and self._digest(fragment, v0) == have_digest else None
+                key = "initial"  # a new list of the same arrays at every call: named, not by id
                 if base is not None and version == 0:
-                    views[fragment] = {version: base}
                     # nothing changed since the learner's copy: a change of zeros, compressed to
                     # next to nothing whatever the codec
-                    zeros = [(n, np.zeros_like(a)) for n, a in arrays]
-                    return codec.encode(zeros, self.codec, self.block_size, compression="zstd"), version
+                    held, enc, _ = self._answer(fragment, version, "zeros", base, lambda: (
+                        codec.encode([(n, np.zeros_like(a)) for n, a in arrays], self.codec, self.block_size,
+                                     compression="zstd"), base))
+                    views[fragment] = {version: held}  # one list for every learner: shared later too
+                    return enc, version
             else:
                 copies = views.get(fragment, {})
                 base = copies.get(have_version) if have_version >= 0 else None
+                key = id(base)
             if base is None or self.codec == "fp32":
-                enc = codec.encode(arrays, "fp32")
-                views[fragment] = {version: [a.copy() for _, a in arrays]}
+                _, enc, copy = self._answer(fragment, version, "full", None, lambda: (
+                    codec.encode(arrays, "fp32"), [a.copy() for _, a in arrays]))
+                views[fragment] = {version: copy}
                 return enc, -1
-            diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
-            # what the learner will decode, from the quantizer itself: no decode of our own payload
-            enc, sent = codec.encode_with_sent(diff, self.codec, self.block_size)
-            new_copy = [b + d for b, d in zip(base, sent)]
+            held, enc, new_copy = self._answer(fragment, version, key, base, lambda: self._change(arrays, base))
             # keep the learner's current copy too: if this download is lost, it asks again from it
-            views[fragment] = {have_version: base, version: new_copy}
+            views[fragment] = {have_version: held, version: new_copy}
             return enc, have_version
+
+    def _change(self, arrays: list[tuple[str, np.ndarray]], base: list[np.ndarray]) -> tuple[codec.Encoded, list]:
+        """The change from ``base`` to ``arrays`` through the run's codec, and the copy the
+        learner will hold after decoding it."""
+        diff = [(n, a - b) for (n, a), b in zip(arrays, base)]
+        # what the learner will decode, from the quantizer itself: no decode of our own payload
+        enc, sent = codec.encode_with_sent(diff, self.codec, self.block_size)
+        return enc, [b + d for b, d in zip(base, sent)]
+
+    def _answer(self, fragment: int, version: int, key, base, make: Callable[[], tuple]) -> tuple:
+        """``(copy, answer, copy after it)``: the shared answer to a pull of ``version`` from
+        the copy ``key`` names, made by ``make`` (answer and copy after it) if no learner
+        holding that copy asked it yet.
+        Only one version's answers are kept per fragment, the one last asked for: pulls
+        follow the fragment's latest version, and a late pull of an older one (a thread
+        that read the parameters just before a merge) is merely encoded again."""
+        held_version, answers = self._answers.get(fragment, (None, None))
+        if held_version != version:
+            answers = {}
+            self._answers[fragment] = (version, answers)
+        if key not in answers:
+            answers[key] = (base,) + tuple(make())
+            self.encodes += 1
+        return answers[key]
