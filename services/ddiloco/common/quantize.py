@@ -86,17 +86,9 @@ def quantize(
 _EMPTY = torch.empty(0, dtype=torch.float32)
 
 
-def quantize_torch(
-    x: torch.Tensor,
-    qmax: int,
-    block: int,
-    scales: torch.Tensor,
-    codes: torch.Tensor,
-    residual: torch.Tensor | None = None,
-    addend: torch.Tensor | None = None,
-    decoded: torch.Tensor | None = None,
-) -> bool:
-    """``quantize`` in torch's elementwise kernels, on any device."""
+def quantize_torch(x, qmax, block, scales, codes, residual=None, addend=None, decoded=None) -> bool:
+    """``quantize`` (the same arguments, torch tensors on one device) in torch's
+    elementwise kernels, on any device."""
     n = x.numel()
     if n == 0:
         return True
