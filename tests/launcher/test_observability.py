@@ -122,6 +122,8 @@ def test_the_outer_optimizer_exports_merges_staleness_versions_and_eval_loss(liv
     # the tiny model's deltas are under the receive pool's 1 MiB: exported, and nothing held
     assert value(s, "ddiloco_outer_receive_pool_idle_bytes") == 0
     assert value(s, "ddiloco_outer_receive_pool_reused_total") == 0
+    # every learner pulled at its start; answers shared by learners holding the same copy
+    assert 0 < value(s, "ddiloco_outer_download_answers_encoded_total") <= value(s, "ddiloco_outer_downloads_served_total")
     assert value(s, "process_cpu_seconds_total") > 0
 
 

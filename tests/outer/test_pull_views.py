@@ -183,7 +183,7 @@ def test_learners_holding_the_same_copy_share_one_encoded_answer_and_one_copy():
     for version in range(4, 8):
         answers = [shared.encode_for(learner, 0, version - 1, version, _arrays(version)) for learner in range(16)]
         assert all(enc is answers[0][0] and base == version - 1 for enc, base in answers)
-    assert shared.encodes == 6  # one per version for sixteen learners
+    assert shared.encodes == 6 and shared.served == 16 * 2 + 16 * 4  # one per version for sixteen learners
     copies = [shared._views[learner][0][7] for learner in range(16)]
     assert all(c is copies[0] for c in copies)  # one copy in memory, not sixteen
 

@@ -74,7 +74,8 @@ class DownloadViews:
         # so it cannot be reused while the entry lives; "initial" for version 0, "full" and
         # "zeros" for the answers that do not depend on a copy)
         self._answers: dict[int, tuple[int, dict]] = {}
-        self.encodes = 0  # answers encoded (not shared): what the sharing saves is pulls - encodes
+        self.served = 0  # pulls answered
+        self.encodes = 0  # answers encoded: what the sharing saved is served - encodes
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -116,6 +117,7 @@ class DownloadViews:
         20-50%, deltas per second down): sixteen threads then contend for the interpreter lock
         instead of taking turns."""
         with self._lock:
+            self.served += 1
             views = self._fragments_of(learner_id)
             key = None
             if have_digest:

@@ -106,6 +106,14 @@ class _LiveState(Collector):
         yield CounterMetricFamily(
             "ddiloco_outer_served_bytes", "Payload bytes of global parameters sent to learners", value=getattr(self.service, "bytes_sent", 0)
         )
+        downloads = getattr(self.service, "downloads", None)
+        if downloads is not None:
+            yield CounterMetricFamily("ddiloco_outer_downloads_served", "Pulls answered (one fragment each)", value=downloads.served)
+            yield CounterMetricFamily(
+                "ddiloco_outer_download_answers_encoded",
+                "Download answers encoded: fewer than pulls answered where learners holding the same copy shared one",
+                value=downloads.encodes,
+            )
         yield GaugeMetricFamily("ddiloco_outer_pending_deltas", "Deltas acknowledged and waiting for a merge", value=st.pending_deltas)
         per = CounterMetricFamily("ddiloco_outer_learner_deltas_merged", "Deltas merged, per learner", labels=["learner"])
         for lr in st.learners:
