@@ -167,10 +167,10 @@ def test_float32_raw_size_is_the_scales_and_the_packed_values_of_each_tensor(nam
     assert codec.float32_raw_size(name, 4, [(3, 5), (7,)]) == expected
 
 
-# ------------------------------------------------- small tensors quantized together
+# ------------------------------------------------- small tensors decoded together
 def _small_tensors(seed: int) -> list[tuple[str, np.ndarray]]:
-    """Many small tensors of odd sizes around one larger than a quantizer chunk: the small ones
-    are quantized in runs, the large one alone (``codec._groups``)."""
+    """Many small tensors of odd sizes around one larger than a quantizer chunk: the decoder
+    takes the small ones in runs, the large one alone (``codec._groups``)."""
     rng = np.random.default_rng(seed)
     sizes = [1, 7, 63, 64, 65, 129, 3, 0, 255]
     arrays = [(f"s{i}", (rng.normal(size=n) * 10.0 ** rng.integers(-6, 2)).astype(np.float32))
@@ -188,14 +188,13 @@ def chunks(request, monkeypatch):
         monkeypatch.setattr(quantize, "CHUNK_ELEMS", request.param)
 
 
-def test_tensors_are_grouped_in_runs_of_at_most_one_chunk_and_large_ones_alone(monkeypatch):
+def test_the_decoder_groups_tensors_in_runs_of_at_most_one_chunk_and_large_ones_alone(monkeypatch):
     from ddiloco.common import quantize
 
     monkeypatch.setattr(quantize, "CHUNK_ELEMS", 256)
     # padded to blocks of 64: 64, 128, 64, 320 (over a chunk), 64, 192, 0
     groups = codec._groups([1, 100, 64, 300, 10, 130, 0], 64)
     assert groups == [[0, 1, 2], [3], [4, 5, 6]]
-    assert codec._groups([1, 2, 3], 64, alone=[False, True, False]) == [[0], [1], [2]]
 
 
 @pytest.mark.parametrize("name", ["fp32", "int8", "int4"])

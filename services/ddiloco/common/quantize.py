@@ -76,14 +76,15 @@ def quantize(
     if x.numel() == 0:
         return True
     if x.device.type == "cpu":
-        none = _EMPTY.numpy()
+        none = _NONE
         return quantize_cpu.quantize(
             x.numpy(), none if addend is None else addend.numpy(), qmax, block, scales.numpy(), codes.numpy(),
             none if residual is None else residual.numpy(), none if decoded is None else decoded.numpy())
     return quantize_torch(x, qmax, block, scales, codes, residual, addend, decoded)
 
 
-_EMPTY = torch.empty(0, dtype=torch.float32)
+# the kernels' stand-in for an absent argument (numba takes no None in a typed slot)
+_NONE = np.empty(0, dtype=np.float32)
 
 
 def quantize_torch(x, qmax, block, scales, codes, residual=None, addend=None, decoded=None) -> bool:
