@@ -119,7 +119,6 @@ class DownloadViews:
         with self._lock:
             self.served += 1
             views = self._fragments_of(learner_id)
-            key = None
             if have_digest:
                 v0 = self.initial(fragment)
                 base = v0 if have_version == 0 and self._digest(fragment, v0) == have_digest else None
