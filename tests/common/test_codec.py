@@ -141,6 +141,14 @@ def test_wrong_dtype_is_refused(encoded):
         codec.decode(encoded.payload, "int8", 64, specs, encoded.digest, compression="none")
 
 
+@pytest.mark.parametrize("block", [0, 63, (1 << 20) + 2, (1 << 31) - 2])
+def test_a_block_size_no_run_may_use_is_refused_both_ways(encoded, block):
+    with pytest.raises(codec.CodecError, match="even number from 2 to 1048576"):
+        codec.decode(encoded.payload, "int8", block, encoded.specs, encoded.digest, compression="none")
+    with pytest.raises(codec.CodecError, match="even number from 2 to 1048576"):
+        codec.encode([("w", np.ones(4, np.float32))], "int4", block)
+
+
 def test_nan_inside_a_valid_payload_is_refused():
     import hashlib
 

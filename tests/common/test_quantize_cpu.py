@@ -109,6 +109,24 @@ def test_dequantize_is_each_code_times_its_blocks_scale(name, block):
         assert out.tobytes() == want.tobytes(), n
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_block_wider_than_the_tensor_is_one_block_and_sizes_nothing(name):
+    """Scratch follows the tensor, not the block size named: a block of 2^40 values (4 TiB
+    of scratch, were it sized by the block) over 1,001 values quantizes and decodes as one
+    block of 1,002 (the even block just wider), bit for bit."""
+    rng = np.random.default_rng(5)
+    x = _values(rng, 1001, "normal")
+    wide = _run(quantize.quantize, x, QMAX[name], 1 << 40, None, "apart", True)
+    one = _run(quantize.quantize, x, QMAX[name], 1002, None, "apart", True)
+    assert wide[0] and wide[1].size == 1
+    for g, w in zip(wide[1:], one[1:]):
+        assert _bits(g) == _bits(w)
+    out_wide, out_one = np.empty(1001, np.float32), np.empty(1001, np.float32)
+    quantize.dequantize(wide[2], QMAX[name], 1 << 40, torch.from_numpy(wide[1]), torch.from_numpy(out_wide))
+    quantize.dequantize(one[2], QMAX[name], 1002, torch.from_numpy(one[1]), torch.from_numpy(out_one))
+    assert out_wide.tobytes() == out_one.tobytes() == wide[4].tobytes()
+
+
 def test_the_kernels_are_compiled_and_release_the_gil():
     """What makes them fast and lets other threads run while a payload is encoded."""
     x = torch.ones(10)

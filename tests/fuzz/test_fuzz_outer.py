@@ -14,10 +14,10 @@ Each example is one request, drawn by hypothesis (deterministic: derandomized):
   version from the future, a fragment that does not exist; and on the stream: truncated,
   padded, garbled bytes, a wrong declared size or digest, an unknown payload format or
   compression, an unknown codec, an invalid
-  block size, tensor specs with another count, name, shape or dtype, a payload that is not
+  block size (odd, below 2, or above the largest a run may use), tensor specs with another count, name, shape or dtype, a payload that is not
   zstd, NaN/Inf values, values far beyond what H AdamW steps can move, a stream without
   header, with a repeated header, or empty, or resuming at an offset nothing is held for. The valid base itself is encoded with an
-  arbitrary even block size up to 2^31 - 2, in payload format 1 (zstd, SHA-256) or 2
+  arbitrary even block size up to the largest a run may use (2^20), in payload format 1 (zstd, SHA-256) or 2
   (uncompressed or zstd, XXH3-128). A "wild" form draws every field at random.
 * ``PullGlobal``: any run id, learner id, have_version, fragment, pace.
 * ``UploadOffset``: any run id, learner id, sequence, offset, declared size.
@@ -52,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "outer")
 
 from outer_helpers import Remote, register  # noqa: E402
 
-from ddiloco.common.config import RunConfig  # noqa: E402
+from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig  # noqa: E402
 from ddiloco.common.rpc import channel  # noqa: E402
 from ddiloco.common import codec  # noqa: E402
 from ddiloco.common.wire import COMPRESSION_TO_PB, PB_TO_CODEC, PB_TO_COMPRESSION  # noqa: E402
@@ -187,7 +187,7 @@ def push_requests(draw, s: System, version: int):
     """(poisons, messages) of one PushDelta that no admission rule may accept."""
     if draw(st.integers(0, 19)) == 0:
         return ["wild"], draw(wild_push())
-    block = draw(st.one_of(st.just(64), st.integers(1, (1 << 30) - 1).map(lambda k: 2 * k)))
+    block = draw(st.one_of(st.just(64), st.integers(1, MAX_BLOCK_SIZE // 2).map(lambda k: 2 * k)))
     fmt, compression = draw(st.sampled_from(FORMS))
     info, payload = encode_int8(s.specs, 1e-5, block, fmt=fmt, compression=compression)
     learner = draw(st.sampled_from(s.ids))
@@ -272,7 +272,8 @@ def push_requests(draw, s: System, version: int):
         elif p == "codec":
             info.codec = draw(int32s().filter(lambda c: c not in PB_TO_CODEC))
         elif p == "block_size":
-            info.block_size = draw(st.one_of(st.integers(-(1 << 31), 1), st.integers(1, (1 << 30) - 1).map(lambda k: 2 * k + 1)))
+            info.block_size = draw(st.one_of(st.integers(-(1 << 31), 1), st.integers(1, (1 << 30) - 1).map(lambda k: 2 * k + 1),
+                                             st.integers(MAX_BLOCK_SIZE // 2 + 1, (1 << 30) - 1).map(lambda k: 2 * k)))
         elif p == "spec_count":
             if draw(st.booleans()) and len(info.tensors) > 1:
                 del info.tensors[draw(st.integers(0, len(info.tensors) - 1))]
@@ -457,15 +458,19 @@ def test_hostile_requests_get_precise_statuses_and_change_nothing(system, exampl
     print(f"\nfuzz outer: {calls.sent} requests, statuses {dict(sorted(calls.codes.items()))}")
 
 
-def test_a_delta_with_a_huge_block_size_is_decoded_in_time_proportional_to_its_values(system):
+@pytest.mark.parametrize("block, refusal", [(MAX_BLOCK_SIZE, "AdamW steps"), ((1 << 31) - 2, "block size 2147483646")])
+def test_a_delta_with_a_huge_block_size_is_refused_in_time_proportional_to_its_values(system, block, refusal):
     """A header's block size is the sender's: decoding used to pad every tensor to whole
     blocks, so block_size 2^31 - 2 made the outer optimizer allocate 8 GiB and compute for
-    ~30 s per tensor before its magnitude check refused the delta."""
+    ~30 s per tensor before its magnitude check refused the delta; later the compiled
+    decoder still sized its scratch by the block. The largest block a run may use is
+    decoded (and refused here for its magnitude) in time and memory that follow the values;
+    a larger one is refused from the header, naming the bound."""
     import time
 
     s = system
     before, params = s.fingerprint(), s.remote.global_state()
-    info, payload = encode_int8(s.specs, 1e3, (1 << 31) - 2, q_value=127, fmt=2, compression="none")
+    info, payload = encode_int8(s.specs, 1e3, block, q_value=127, fmt=2, compression="none")
     header = outer_pb2.DeltaHeader(
         run_id=RUN_ID, learner_id=s.a, base_version=before[0], tokens=s.tokens, inner_steps=s.h, seq=s.last_seq[s.a] + 1,
         payload=info,
@@ -473,6 +478,6 @@ def test_a_delta_with_a_huge_block_size_is_decoded_in_time_proportional_to_its_v
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as exc:
         s.stub.PushDelta(iter([outer_pb2.DeltaChunk(header=header, data=payload)]), timeout=30)
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "AdamW steps" in exc.value.details()
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refusal in exc.value.details()
     assert time.monotonic() - t0 < 5
     assert (s.fingerprint(), s.remote.global_state()) == (before, params)

@@ -97,8 +97,11 @@ def test_a_declared_payload_is_at_most_what_the_fragment_encodes_to(name):
         admission.check_payload_size(0, info, shapes)
 
 
-@pytest.mark.parametrize("codec_id, block, message", [(77, 64, "unknown codec 77"), (2, 0, "block size 0"), (2, 63, "block size 63")])
-def test_a_header_with_an_unknown_codec_or_an_odd_block_is_refused_before_any_size_arithmetic(codec_id, block, message):
+@pytest.mark.parametrize("codec_id, block, message", [
+    (77, 64, "unknown codec 77"), (2, 0, "block size 0"), (2, 63, "block size 63"),
+    (2, (1 << 20) + 2, "block size 1048578 is not an even number from 2 to 1048576"),
+])
+def test_a_header_with_an_unknown_codec_or_a_block_no_run_uses_is_refused_before_any_size_arithmetic(codec_id, block, message):
     info = common_pb2.PayloadInfo(codec=codec_id, block_size=block, payload_bytes=10)
     with pytest.raises(errors.InvalidArgument, match=message):
         admission.check_payload_size(0, info, [(10,)])

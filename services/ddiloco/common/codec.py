@@ -42,7 +42,7 @@ import xxhash
 import zstandard
 
 from ddiloco.common import quantize as qz
-from ddiloco.common.config import CODECS
+from ddiloco.common.config import CODECS, MAX_BLOCK_SIZE
 
 QMAX = {"int8": 127, "int4": 7}  # largest code of each lossy codec
 FORMAT = 2  # what encode writes
@@ -156,11 +156,16 @@ def _flat(arr) -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.from_numpy(flat), tuple(int(d) for d in np.shape(arr))
 
 
+def block_ok(block_size: int) -> bool:
+    """Whether a lossy payload may use ``block_size`` values per scale."""
+    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
+
+
 def _check_codec(codec: str, block_size: int) -> None:
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    if block_size < 2 or block_size % 2:
-        raise CodecError(f"block size must be an even number >= 2, got {block_size}")
+    if not block_ok(block_size):
+        raise CodecError(f"block size must be an even number from 2 to {MAX_BLOCK_SIZE}, got {block_size}")
 
 
 def _groups(numels: list[int], block_size: int) -> list[list[int]]:
@@ -338,8 +343,8 @@ def decode(
         raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}")
-    if codec != "fp32" and (block_size < 2 or block_size % 2):
-        raise CodecError(f"invalid block size {block_size}")
+    if codec != "fp32" and not block_ok(block_size):
+        raise CodecError(f"invalid block size {block_size}: an even number from 2 to {MAX_BLOCK_SIZE}")
     for spec in specs:
         if spec.dtype != "float32":
             raise CodecError(f"tensor {spec.name!r} has dtype {spec.dtype!r}; only float32 is accepted")

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 # torch.
 Codec = typing.Literal["fp32", "int8", "int4"]
 CODECS: tuple[str, ...] = typing.get_args(Codec)
+# The largest quantization block (values per scale) a run may use, and so the largest any
+# payload may declare: blocks beyond a tensor's size change nothing, and the bound keeps a
+# header's number from sizing anything
+MAX_BLOCK_SIZE = 1 << 20
 MergeRule = typing.Literal["weighted", "mean", "rda"]
 MERGE_RULES: tuple[str, ...] = typing.get_args(MergeRule)
 

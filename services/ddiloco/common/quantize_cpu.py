@@ -56,10 +56,13 @@ def quantize(x, addend, qmax, block, scales, codes, residual, decoded):  # pragm
     qm = np.float32(qmax)
     nqm = -qm
     one = np.float32(1.0)
-    vals = np.empty(block, dtype=np.float32)  # this block's input (plus addend): L1-resident
+    # scratch for one block, never wider than the tensor: memory follows the data, not the
+    # block size a caller names
+    width = min(block, n)
+    vals = np.empty(width, dtype=np.float32)  # this block's input (plus addend): L1-resident
     bits = vals.view(np.int32)
-    t = np.empty(block, dtype=np.float32)  # rounded and clamped, as floats
-    stage = np.empty(block, dtype=np.int8)  # the codes, before int4 packing
+    t = np.empty(width, dtype=np.float32)  # rounded and clamped, as floats
+    stage = np.empty(width, dtype=np.int8)  # the codes, before int4 packing
     box = np.empty(1, dtype=np.int32)
     box_f = box.view(np.float32)
     ok = True
@@ -126,7 +129,7 @@ def dequantize(codes, qmax, block, scales, out):  # pragma: no cover - compiled
     """``quantize.dequantize`` on numpy arrays: ``out[i] = float32(q_i) * scale``."""
     n = out.size
     packed = qmax == 7
-    stage = np.empty(block + 2, dtype=np.float32)
+    stage = np.empty(min(block, n) + 2, dtype=np.float32)  # as wide as a block, or the tensor
     for b in range((n + block - 1) // block):
         start = b * block
         w = min(block, n - start)

@@ -128,8 +128,10 @@ def check_payload_size(fragment: int, info, shapes: Sequence[tuple[int, ...]]) -
     name = PB_TO_CODEC.get(info.codec)
     if name is None:
         raise InvalidArgument(f"unknown codec {info.codec}")
-    if name != "fp32" and (info.block_size < 2 or info.block_size % 2):
-        raise InvalidArgument(f"block size {info.block_size} is not an even number of at least 2")
+    if name != "fp32" and not codec.block_ok(info.block_size):
+        raise InvalidArgument(
+            f"block size {info.block_size} is not an even number from 2 to {codec.MAX_BLOCK_SIZE}"
+        )
     most = codec.payload_bound(codec.float32_raw_size(name, info.block_size, shapes))
     if info.payload_bytes > most:
         raise InvalidArgument(
