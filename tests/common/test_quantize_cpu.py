@@ -6,11 +6,13 @@ NaNs and Infs (refused alike)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -152,6 +154,7 @@ def test_on_a_read_only_file_system_the_kernels_compile_without_a_cache(tmp_path
     shutil.copy(src, ro / src.name)
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); import numpy as np, quantize_cpu as k\n"
+        "k.ready()\n"  # no cache, no lock
         "x = np.arange(-5, 6, dtype=np.float32); e = np.empty(0, np.float32)\n"
         "s = np.empty(1, np.float32); c = np.empty(11, np.int8)\n"
         "assert k.quantize(x, e, 127, 64, s, c, e, e)\n"
@@ -169,3 +172,64 @@ def test_on_a_read_only_file_system_the_kernels_compile_without_a_cache(tmp_path
     assert kind == "NullCache" and scale_ok == "True"
     assert codes.strip() == str([round(v * 25.4) for v in range(-5, 6)])  # no ties: 25.4 v
     assert sorted(p.name for p in ro.iterdir()) == ["home", src.name]  # nothing was written
+
+
+_EVERY_USE = """
+import sys
+import numpy as np
+from ddiloco.common import codec, quantize_cpu as k
+print(k.lock_path(k.quantize), flush=True)
+sys.stdin.readline()
+k.ready()
+versions = (tuple(k.quantize.signatures), tuple(k.dequantize.signatures))
+rng = np.random.default_rng(0)
+arrays = [(f"t{i}", rng.standard_normal(n).astype(np.float32)) for i, n in enumerate([1, 7, 63, 64, 65, 300, 4097])]
+for name in ("int8", "int4"):
+    feedback = codec.ErrorFeedback()
+    for compression in ("none", "zstd"):
+        enc = feedback.encode(arrays, name, 64, compression)
+        codec.decode_encoded(enc)
+        codec.decode(bytes(enc.payload), name, 64, enc.specs, enc.digest, compression=compression)
+        codec.decode_encoded(codec.encode_with_sent(arrays, name, 64, compression)[0])
+assert (tuple(k.quantize.signatures), tuple(k.dequantize.signatures)) == versions, "a version ready() does not make"
+print(len(versions[0]), len(versions[1]), flush=True)
+"""
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    """Whether ``pid`` is blocked on a file lock (``/proc/locks`` marks waiters ``->``)."""
+    return any("->" in line and f" {pid} " in line for line in pathlib.Path("/proc/locks").read_text().splitlines())
+
+
+def test_a_process_compiles_every_version_only_under_the_cache_lock(tmp_path):
+    """Two processes saving kernels to numba's cache at once can leave its index naming one
+    version's machine code for another's signature (``quantize_cpu.ready``). A process with
+    an empty cache waits for the lock before it compiles anything, then compiles every
+    version the codec uses, and the codec's every path (int8 and int4, compressed or not,
+    payloads read-only or not, error feedback, what was sent) needs no other."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
+    proc = subprocess.Popen([sys.executable, "-c", _EVERY_USE], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = pathlib.Path(proc.stdout.readline().strip())
+        assert cache in lock.parents, lock
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            deadline = time.monotonic() + 60
+            while not _waits_for_a_lock(proc.pid):  # an observable state, polled
+                assert proc.poll() is None, "it went on without waiting for the lock: " + proc.stderr.read()[-2000:]
+                assert time.monotonic() < deadline, "it never waited for the lock"
+                time.sleep(0.01)
+            assert not list(cache.rglob("*.nbi")), "it compiled and saved before it held the lock"
+        finally:
+            os.close(fd)  # releases the lock
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == ["2", "4"]
+    assert sorted(p.name.split("-")[0] for p in cache.rglob("*.nbi")) == ["quantize_cpu.dequantize", "quantize_cpu.quantize"]

@@ -77,6 +77,7 @@ def quantize(
         return True
     if x.device.type == "cpu":
         none = _NONE
+        quantize_cpu.ready()
         return quantize_cpu.quantize(
             x.numpy(), none if addend is None else addend.numpy(), qmax, block, scales.numpy(), codes.numpy(),
             none if residual is None else residual.numpy(), none if decoded is None else decoded.numpy())
@@ -154,6 +155,7 @@ def dequantize(codes: np.ndarray, qmax: int, block: int, scales: torch.Tensor, o
     numpy view: int8, or packed uint8 for qmax 7) and ``scales``. Work is O(n) whatever
     ``block`` is: the block size comes from the sender's header."""
     if out.numel():
+        quantize_cpu.ready()
         quantize_cpu.dequantize(codes, qmax, block, scales.numpy(), out.numpy())
 
 

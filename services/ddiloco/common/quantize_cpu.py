@@ -21,13 +21,19 @@ them to it, bit for bit):
   the clamp, the conversion; the residual is ``x - t * s`` with the rounded value ``t``
   (as the torch path: ``-0.0`` included), the decoded value ``float32(q) * scale``.
 
-Compiled once per type signature on first use (a few seconds) and cached on disk beside
-this file, or in the user's cache when that is read-only; where no cache can be written
-(a read-only file system) every process compiles for itself. ``nogil``: a learner's
+Compiled on first use in a process, every version the codec calls at once (a few seconds
+each, ``ready``), under a file lock so that processes starting together do not write the
+cache at once, and cached on disk beside this file, or in the user's cache when that is
+read-only; where no cache can be written (a read-only file system) every process compiles
+for itself. ``nogil``: a learner's
 training thread and an outer optimizer's other RPCs go on while a payload is encoded.
 """
 
 from __future__ import annotations
+
+import fcntl
+import os
+import threading
 
 import numba as nb
 import numpy as np
@@ -40,6 +46,67 @@ def _njit(fn):
         return nb.njit(cache=True, **_OPTS)(fn)
     except RuntimeError:  # "cannot cache function": nowhere to write the cache
         return nb.njit(cache=False, **_OPTS)(fn)
+
+
+def lock_path(kernel) -> str | None:
+    """The file that serializes the kernels' compilation across processes: in the cache
+    folder (None where they compile without a cache)."""
+    folder = getattr(getattr(kernel, "_cache", None), "_cache_path", None)
+    return os.path.join(folder, "ddiloco-kernels.lock") if folder else None
+
+
+_ready = False
+_ready_lock = threading.Lock()
+
+
+def _versions() -> list[tuple]:
+    """One call of every compiled version the codec uses, in a fixed order: the quantizer
+    writes int8 or packed uint8 codes; the decoder reads them from a payload's bytes
+    (read-only) or from an array of the caller's (writable). Every float array comes from a
+    torch tensor or numpy's allocator: aligned and writable."""
+    f32 = np.zeros(2, np.float32)
+    out = []
+    for codes in (np.zeros(2, np.int8), np.zeros(1, np.uint8)):
+        qmax = 127 if codes.dtype == np.int8 else 7
+        out.append((quantize, (f32.copy(), f32.copy(), qmax, 2, np.zeros(1, np.float32), codes.copy(), f32.copy(), f32.copy())))
+        for writable in (True, False):
+            c = codes.copy()
+            c.flags.writeable = writable
+            out.append((dequantize, (c, qmax, 2, np.ones(1, np.float32), f32.copy())))
+    return out
+
+
+def ready() -> None:
+    """Compile (or load from the cache) every version the codec uses, once per process,
+    holding a file lock in the cache folder. Why: numba's cache keeps one index per
+    function, which a process reads, extends and writes back as it saves a newly compiled
+    version, numbering the data files from what it read. Two processes saving two versions
+    at once (an int8 and an int4 run starting together; a learner decoding payloads while
+    another process decodes arrays it wrote) can both take number 1, and the index may then
+    name one version's machine code for the other's signature: called with arrays it was
+    not compiled for, a kernel that skips bounds checks writes past them. Under the lock
+    one process compiles and saves the versions, in one order, while the others wait, then
+    load what it saved."""
+    global _ready
+    if _ready:  # every call after the first
+        return
+    with _ready_lock:
+        if _ready:
+            return
+        path = lock_path(quantize)
+        try:  # flock needs no write access: a read-only descriptor serves any user
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666) if path else None
+        except OSError:  # a folder this user cannot write: numba saves nothing there either
+            fd = None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            for kernel, args in _versions():
+                kernel(*args)
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+        _ready = True
 
 
 @_njit
