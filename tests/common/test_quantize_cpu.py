@@ -233,3 +233,21 @@ def test_a_process_compiles_every_version_only_under_the_cache_lock(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert out.split() == ["2", "4"]
     assert sorted(p.name.split("-")[0] for p in cache.rglob("*.nbi")) == ["quantize_cpu.dequantize", "quantize_cpu.quantize"]
+
+
+def test_the_cache_lock_is_held_where_it_can_be_taken_and_skipped_where_not(tmp_path):
+    """Without a lock the processes compile as numba alone would; a kernel must never fail
+    for want of one (no cache, a folder that cannot be written, a file system without flock)."""
+    assert quantize_cpu._lock(None) is None
+    assert quantize_cpu._lock(str(tmp_path / "no-such-folder" / "k.lock")) is None
+    fd = quantize_cpu._lock(str(tmp_path / "k.lock"))
+    assert fd is not None
+    try:
+        other = os.open(tmp_path / "k.lock", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):  # held: another description cannot take it
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    finally:
+        os.close(fd)

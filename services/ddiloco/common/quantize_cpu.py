@@ -59,6 +59,24 @@ _ready = False
 _ready_lock = threading.Lock()
 
 
+def _lock(path: str | None) -> int | None:
+    """A descriptor holding an exclusive flock on ``path``, or None where there is none to
+    take: no cache, a folder this user cannot write (numba saves nothing there either), a
+    file system without flock. Without it the processes compile as numba alone would."""
+    if path is None:
+        return None
+    try:  # flock needs no write access: a read-only descriptor serves any user
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _versions() -> list[tuple]:
     """One call of every compiled version the codec uses, in a fixed order: the quantizer
     writes int8 or packed uint8 codes; the decoder reads them from a payload's bytes
@@ -93,14 +111,8 @@ def ready() -> None:
     with _ready_lock:
         if _ready:
             return
-        path = lock_path(quantize)
-        try:  # flock needs no write access: a read-only descriptor serves any user
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666) if path else None
-        except OSError:  # a folder this user cannot write: numba saves nothing there either
-            fd = None
+        fd = _lock(lock_path(quantize))
         try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
             for kernel, args in _versions():
                 kernel(*args)
         finally:
