@@ -131,16 +131,31 @@ def processes_naming(text: str) -> list[int]:
 HOST_WIDE_LOCK = pathlib.Path(tempfile.gettempdir()) / "ddiloco-tests-host-wide.lock"
 
 
+_taken_here: dict[pathlib.Path, list] = {}  # path -> [open lock file, depth] in this process
+
+
 @contextlib.contextmanager
 def host_wide_lock(path: pathlib.Path = HOST_WIDE_LOCK):
     """Exclusive use of what is host-wide (the Docker engine, network namespaces, tc) among
-    test processes: the suite's xdist workers take it file by file (tests/conftest.py)."""
-    with open(path, "a") as f:
+    test processes: the suite's xdist workers take it file by file (tests/conftest.py).
+
+    Re-entrant within a process: a session fixture torn down after a worker's last test (the
+    Docker engine's stop) takes it while that test, a host-wide file's, still holds it; a
+    second flock on another open of the file would wait for this very process forever."""
+    entry = _taken_here.get(path)
+    if entry is None:
+        f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        entry = _taken_here[path] = [f, 0]
+    entry[1] += 1
+    try:
+        yield
+    finally:
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _taken_here[path]
+            fcntl.flock(entry[0], fcntl.LOCK_UN)
+            entry[0].close()
 
 
 TESTS = pathlib.Path(__file__).resolve().parent
