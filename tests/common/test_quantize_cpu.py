@@ -237,7 +237,8 @@ def test_a_process_compiles_every_version_only_under_the_cache_lock(tmp_path):
 
 def test_the_cache_lock_is_held_where_it_can_be_taken_and_skipped_where_not(tmp_path):
     """Without a lock the processes compile as numba alone would; a kernel must never fail
-    for want of one (no cache, a folder that cannot be written, a file system without flock)."""
+    or hang for want of one (no cache, a folder that cannot be written, a file system
+    without flock, a holder that never lets go)."""
     assert quantize_cpu._lock(None) is None
     assert quantize_cpu._lock(str(tmp_path / "no-such-folder" / "k.lock")) is None
     fd = quantize_cpu._lock(str(tmp_path / "k.lock"))
@@ -249,5 +250,11 @@ def test_the_cache_lock_is_held_where_it_can_be_taken_and_skipped_where_not(tmp_
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(other)
+        # a holder that keeps it (a process frozen while compiling) is waited for a bounded
+        # time, then the kernels compile without it
+        assert quantize_cpu._lock(str(tmp_path / "k.lock"), wait_s=0.1) is None
     finally:
         os.close(fd)
+    again = quantize_cpu._lock(str(tmp_path / "k.lock"), wait_s=60)  # released: taken
+    assert again is not None
+    os.close(again)

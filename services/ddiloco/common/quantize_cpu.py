@@ -32,11 +32,14 @@ training thread and an outer optimizer's other RPCs go on while a payload is enc
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 
 import numba as nb
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _OPTS = {"nogil": True, "boundscheck": False, "error_model": "numpy"}
 
@@ -59,22 +62,52 @@ _ready = False
 _ready_lock = threading.Lock()
 
 
-def _lock(path: str | None) -> int | None:
+# How long a process waits for another to finish compiling: far longer than compiling every
+# version takes (seconds), short enough that a process frozen while holding the lock (a
+# stopped learner) delays the others' first encode by this much at most
+LOCK_WAIT_S = 120.0
+
+
+def _lock(path: str | None, wait_s: float = LOCK_WAIT_S) -> int | None:
     """A descriptor holding an exclusive flock on ``path``, or None where there is none to
     take: no cache, a folder this user cannot write (numba saves nothing there either), a
-    file system without flock. Without it the processes compile as numba alone would."""
+    file system without flock, or a holder that keeps it past ``wait_s``. Without it the
+    process compiles as numba alone would."""
     if path is None:
         return None
     try:  # flock needs no write access: a read-only descriptor serves any user
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    # a blocking flock in a thread of its own, waited for a bounded time: the wait stays
+    # visible to the kernel as one (/proc/locks) and costs no polling
+    taken, guard = threading.Event(), threading.Lock()
+    state = {"given_up": False, "ok": False, "failed": False}
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            outcome = "ok"
+        except OSError:  # a file system without flock: go on as numba alone would
+            outcome = "failed"
+        with guard:
+            if state["given_up"]:  # the caller went on without it: let it go at once
+                os.close(fd)
+                return
+            state[outcome] = True
+        taken.set()
+
+    threading.Thread(target=take, name="kernel-cache-lock", daemon=True).start()
+    taken.wait(wait_s)
+    with guard:
+        if state["ok"]:
+            return fd
+        if state["failed"]:
+            os.close(fd)
+            return None
+        state["given_up"] = True
+    log.warning("kernel cache lock %s still held after %.0f s; compiling without it", path, wait_s)
+    return None
 
 
 def _versions() -> list[tuple]:
