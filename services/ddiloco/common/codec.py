@@ -42,7 +42,7 @@ import xxhash
 import zstandard
 
 from ddiloco.common import quantize as qz
-from ddiloco.common.config import CODECS, MAX_BLOCK_SIZE
+from ddiloco.common.config import CODECS, MAX_BLOCK_SIZE, block_size_ok
 
 QMAX = {"int8": 127, "int4": 7}  # largest code of each lossy codec
 FORMAT = 2  # what encode writes
@@ -156,15 +156,10 @@ def _flat(arr) -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.from_numpy(flat), tuple(int(d) for d in np.shape(arr))
 
 
-def block_ok(block_size: int) -> bool:
-    """Whether a lossy payload may use ``block_size`` values per scale."""
-    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
-
-
 def _check_codec(codec: str, block_size: int) -> None:
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    if not block_ok(block_size):
+    if not block_size_ok(block_size):
         raise CodecError(f"block size must be an even number from 2 to {MAX_BLOCK_SIZE}, got {block_size}")
 
 
@@ -343,7 +338,7 @@ def decode(
         raise CodecError(f"unknown compression {compression!r}; expected one of {COMPRESSIONS}")
     if codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r}")
-    if codec != "fp32" and not block_ok(block_size):
+    if codec != "fp32" and not block_size_ok(block_size):
         raise CodecError(f"invalid block size {block_size}: an even number from 2 to {MAX_BLOCK_SIZE}")
     for spec in specs:
         if spec.dtype != "float32":

@@ -27,6 +27,13 @@ MAX_BLOCK_SIZE = 1 << 20
 MergeRule = typing.Literal["weighted", "mean", "rda"]
 MERGE_RULES: tuple[str, ...] = typing.get_args(MergeRule)
 
+
+def block_size_ok(block_size) -> bool:
+    """Whether a lossy codec may use ``block_size`` values per scale: the run's option and
+    every payload header are held to this one rule."""
+    return 2 <= block_size <= MAX_BLOCK_SIZE and block_size % 2 == 0
+
+
 # The workload a run trains when none is named: the byte-level GPT below on text.
 DEFAULT_WORKLOAD = "ddiloco.workloads.bytegpt:workload"
 

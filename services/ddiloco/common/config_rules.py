@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig
+from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
 
 # A learner's group on one host. A group step weighs its R batches and the outer optimizer
 # admits at most 16 x the run's step weight per step (outer/admission.py), so a learner of
@@ -89,7 +89,7 @@ RULES: list[tuple[str, str | None, Callable[[float], bool], str]] = [
     ("learner.weight_decay", None, _nonneg, "a non-negative number"),
     ("learner.warmup_steps", None, _nonneg, "a non-negative number of steps"),
     ("learner.grad_clip", None, _pos, "a positive number"),
-    ("learner.block_size", "--block-size", lambda x: _between(2, MAX_BLOCK_SIZE)(x) and x % 2 == 0,
+    ("learner.block_size", "--block-size", lambda x: _finite(x) and block_size_ok(x),
      f"an even integer from 2 to {MAX_BLOCK_SIZE}"),
     ("learner.chunk_bytes", None, _between(1024, MAX_CHUNK_BYTES), f"from 1 KiB to {MAX_CHUNK_BYTES >> 20} MiB"),
     ("learner.pull_poll_s", None, _between(0, MAX_INTERVAL_S, lo_open=True), "a positive number of seconds up to 30 days (2592000 s)"),

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from ddiloco.common import codec, merge
-from ddiloco.common.config import RunConfig
+from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
 from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from ddiloco.common.wire import PB_TO_CODEC
 from ddiloco.outer.records import Fragment
@@ -128,9 +128,9 @@ def check_payload_size(fragment: int, info, shapes: Sequence[tuple[int, ...]]) -
     name = PB_TO_CODEC.get(info.codec)
     if name is None:
         raise InvalidArgument(f"unknown codec {info.codec}")
-    if name != "fp32" and not codec.block_ok(info.block_size):
+    if name != "fp32" and not block_size_ok(info.block_size):
         raise InvalidArgument(
-            f"block size {info.block_size} is not an even number from 2 to {codec.MAX_BLOCK_SIZE}"
+            f"block size {info.block_size} is not an even number from 2 to {MAX_BLOCK_SIZE}"
         )
     most = codec.payload_bound(codec.float32_raw_size(name, info.block_size, shapes))
     if info.payload_bytes > most:
