@@ -36,11 +36,14 @@ coordinator is cut off from it (ddiloco.outer.known_learners).
 
 State is persisted atomically to ``state.json`` on every membership change, so a restarted
 coordinator rebuilds the same view; learners that do not know it re-register with their id.
+A change whose save the disk refuses is answered UNAVAILABLE (the caller retries) and kept
+in memory, where the timer's next save writes it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import threading
 import time
@@ -50,7 +53,7 @@ from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
-from ddiloco.common.durable import write_json
+from ddiloco.common.durable import StorageError, write_json
 from ddiloco.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -63,6 +66,8 @@ from ddiloco.common.errors import (
 from ddiloco.coordinator.signature import check_signature, model_signature
 from ddiloco.coordinator.stats_rules import ADDITIVE, Bounds, check_report, saturating_sum, stats_to_dict
 from ddiloco.v1 import common_pb2, coordinator_pb2
+
+log = logging.getLogger(__name__)
 
 STATE_NAMES = {
     coordinator_pb2.RUN_STATE_WAITING: "waiting",
@@ -111,8 +116,10 @@ class Membership:
         self.config = config
         self.clock = clock
         self.state_path = state_path
+        # One lock for the state and its saves: a save writes under it, so saves are in order
+        # (a stale view never overwrites a newer one) and the request paths, which save while
+        # they hold it, take no second lock in another order than the timer's save does.
         self.lock = threading.RLock()
-        self._save_lock = threading.Lock()  # keeps saves in order: a stale view never overwrites a newer one
         self.members: dict[int, MemberRecord] = {}
         # every outer shard's address by shard index ("" until it registers)
         self.outer_shards: list[str] = [""] * config.outer_shards
@@ -198,12 +205,15 @@ class Membership:
             )
         return rec
 
-    def _accept_stats(self, rec: MemberRecord, stats: common_pb2.LearnerStats) -> None:
-        """Validate a report against the incarnation's last one, then keep it (all or nothing)."""
+    def _accept_stats(self, rec: MemberRecord, stats: common_pb2.LearnerStats, bounds: Bounds) -> None:
+        """Validate a report against the incarnation's last one, then keep it (all or nothing).
+        ``bounds``: ``self.bounds``, read before the caller took the lock: the first read
+        builds the run's model (seconds, on a coordinator restarted with learners already
+        heartbeating), which must not hold every other call waiting on the lock."""
         now = self.clock()
         new = stats_to_dict(stats)
         since = None if rec.last_report is None else now - rec.last_report
-        check_report(self.bounds, rec.stats, new, since)
+        check_report(bounds, rec.stats, new, since)
         rec.stats = new
         rec.last_report = now
 
@@ -265,7 +275,7 @@ class Membership:
             if self.state == coordinator_pb2.RUN_STATE_WAITING:
                 self.state = coordinator_pb2.RUN_STATE_RUNNING
                 self.running_since = self.clock()
-            self.save()
+            self._save_for("the registration of learner %d" % learner_id)
             return rec
 
     def _free_id(self, token: str) -> int:
@@ -281,11 +291,12 @@ class Membership:
 
     def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> MemberRecord:
         self._check_run(run_id)
+        bounds = self.bounds
         with self.lock:
             rec = self._registered(learner_id, token)
             if rec.left:
                 raise NotFound(f"learner {learner_id} left the run; register again")
-            self._accept_stats(rec, stats)
+            self._accept_stats(rec, stats, bounds)
             rec.last_heartbeat = self.clock()
             # alive again (a straggler whose lease had expired): its next death is news again
             self.dead_announced.discard(learner_id)
@@ -293,11 +304,12 @@ class Membership:
 
     def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> None:
         self._check_run(run_id)
+        bounds = self.bounds
         with self.lock:
             rec = self._registered(learner_id, token)
-            self._accept_stats(rec, stats)
+            self._accept_stats(rec, stats, bounds)
             rec.left = True
-            self.save()
+            self._save_for(f"learner {learner_id}'s leave")
 
     @property
     def outer_address(self) -> str:
@@ -313,7 +325,7 @@ class Membership:
         with self.lock:
             self.outer_shards[shard] = address
             self.outer_registrations += 1
-            self.save()
+            self._save_for(f"outer shard {shard}'s registration")
 
     def tick(self) -> list[tuple[str, dict]]:
         """Advance leases and the run state; returns events to log. Called periodically; the
@@ -393,10 +405,23 @@ class Membership:
             )
 
     # ------------------------------------------------------------------ persistence
+    def _save_for(self, what: str) -> None:
+        """Save on a request's path. If the disk refuses (full, read-only), the change stays
+        in memory, the timer's next save writes it (``CoordinatorService._timer_loop``), and
+        the caller hears ``Unavailable``, which every client retries: the retry of the same
+        request (same instance token) finds its change made and makes it again harmlessly.
+        Not the bare ``StorageError``, which reaches the caller as UNKNOWN after the state
+        changed, and which a learner registering does not retry."""
+        try:
+            self.save()
+        except StorageError as exc:
+            log.error("%s is not saved yet (the timer retries): %s", what, exc)
+            raise Unavailable(f"{what} is not saved: {exc}; retry") from exc
+
     def save(self) -> None:
         if self.state_path is None:
             return
-        with self._save_lock, self.lock:
+        with self.lock:
             doc = {
                 "run_id": self.config.run_id,
                 "state": self.state,

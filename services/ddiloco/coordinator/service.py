@@ -159,6 +159,8 @@ class CoordinatorService:
         # a background loop that dies stops the process, which exits 1 (common/supervision.py)
         self.supervisor = Supervisor("coordinator", on_failure=self.stop_event.set)
         self.report: dict | None = None
+        # the outer optimizer's final answers, once had: kept until the report is written
+        self._final: tuple[outer_pb2.FinalizeResponse, list[outer_pb2.FinalizeResponse]] | None = None
         self.server = Server(
             options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name], security=options.security
         )
@@ -250,9 +252,11 @@ class CoordinatorService:
         """Leases, the budget, the end of the run. Runs under the supervisor: an unexpected
         error stops the coordinator with exit status 1 (its state file brings it back), where
         a dead timer would leave a process that serves but never expires a lease or ends the
-        run. A full disk is not such an error: the save is tried again on the next tick."""
+        run. A full disk is not such an error: the save is tried again on the next tick, and so
+        are the writes that end the run (its FINISHED state and report.json)."""
         last_save = time.monotonic()
         save_error: str | None = None
+        end_error: str | None = None  # the report or the FINISHED state not written yet
         while not self.stop_event.wait(0.25):
             events = self.members.tick()
             for kind, fields in events:
@@ -273,17 +277,27 @@ class CoordinatorService:
                         self.metrics.event("state_saved_again")
                     save_error = None
                     last_save = time.monotonic()
-            if self.members.drained() and not self.finished.is_set():
+            if self._final is None and self.members.drained():
                 try:
-                    self._finish()
+                    self._final = self._finalize()
                 except Exception:
                     log.exception("finishing the run failed; retrying")
                     self.stop_event.wait(2.0)
+            if self._final is not None and not self.finished.is_set():
+                try:
+                    self._conclude(*self._final)
+                except StorageError as exc:
+                    # the outer optimizer's answers are kept: asked again, shards that exited
+                    # once they saw FINISHED would not answer; only the writes are retried
+                    if end_error is None:
+                        log.error("the run's end is not saved (retrying): %s", exc)
+                        self.metrics.event("state_save_failed", reason=str(exc))
+                    end_error = str(exc)
 
-    def _finish(self) -> None:
-        """Ask the outer optimizer to merge what is pending and evaluate; write the report.
-        With several outer shards, shard 0 last: it evaluates the global model, reading the
-        other shards' fragments, which are final once they answered."""
+    def _finalize(self) -> tuple[outer_pb2.FinalizeResponse, list[outer_pb2.FinalizeResponse]]:
+        """Ask the outer optimizer to merge what is pending and evaluate: (the combined
+        answer, each shard's). With several outer shards, shard 0 last: it evaluates the
+        global model, reading the other shards' fragments, which are final once they answered."""
         shards = list(self.members.outer_shards)
         answers: dict[int, outer_pb2.FinalizeResponse] = {}
         for shard in [*range(1, len(shards)), 0]:
@@ -301,6 +315,12 @@ class CoordinatorService:
             final_eval_loss=per_shard[0].final_eval_loss,
             final_eval_accuracy=per_shard[0].final_eval_accuracy,
         )
+        return final, per_shard
+
+    def _conclude(self, final: outer_pb2.FinalizeResponse, per_shard: list[outer_pb2.FinalizeResponse]) -> None:
+        """The run is FINISHED, saved, and its report written; then ``finished`` is set.
+        Raises ``StorageError`` if either write fails; calling it again is harmless (the
+        state moves to FINISHED once, the report is rewritten whole)."""
         self.members.finish()
         self.report = build_report(self.config, self.members, final, self.options.run_dir, per_shard)
         if self.options.run_dir is not None:
