@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddiloco.common.errors import FailedPrecondition
-from ddiloco.coordinator.signature import check_signature, signature_of_model
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument
+from ddiloco.coordinator.signature import MAX_DIMS, check_signature, signature_of, signature_of_model
 
 
 def linear(bias: float) -> nn.Module:
@@ -47,3 +47,22 @@ def test_a_signature_without_dtypes_is_refused_and_a_long_dtype_is_not_echoed_wh
     with pytest.raises(FailedPrecondition, match=r"weight: no dtype instead of float32; bias: x{16} instead") as refused:
         check_signature(sig, signature_of_model(linear(0.5)))
     assert len(str(refused.value)) < 300
+
+
+def test_a_tensor_of_more_dimensions_than_any_model_has_is_refused_before_anything_is_built_from_it():
+    sig = signature_of([("weight", (1,) * (MAX_DIMS + 1))], "0" * 64)
+    with pytest.raises(InvalidArgument, match=f"a tensor of more than {MAX_DIMS} dimensions"):
+        check_signature(sig, signature_of_model(linear(0.5)))
+    at_the_bound = signature_of([("weight", (1,) * MAX_DIMS)], "0" * 64)
+    with pytest.raises(FailedPrecondition, match="differs from the run's"):  # a shape like any other
+        check_signature(at_the_bound, signature_of_model(linear(0.5)))
+
+
+def test_a_signature_of_many_unexpected_tensors_names_the_first_few_and_counts_the_rest():
+    sig = signature_of([(f"extra{i}", (2,)) for i in range(10_000)], "0" * 64)
+    with pytest.raises(FailedPrecondition) as refused:
+        check_signature(sig, signature_of_model(linear(0.5)))
+    message = str(refused.value)
+    assert "(10000 tensors, 20,000 parameters; the run has 2 tensors, 3 parameters)" in message
+    assert "unexpected extra0 [2]" in message and "unexpected extra4 [2]" in message and "extra5 " not in message
+    assert message.endswith("; and 9997 more"), message  # 10,000 unexpected and 2 missing, 5 of them named

@@ -47,3 +47,22 @@ def test_the_page_shows_each_learners_group_size():
                                                    ranks=ranks, datacenter=f"dc{learner_id}", last_heartbeat=99.0)
     view = status_data.build(members.config, members, RunWatch(members, 2, run_dir=None))
     assert [(m["learner"], m["datacenter"], m["ranks"]) for m in view["members"]] == [(0, "dc0", 1), (1, "dc1", 4)]
+
+
+def test_a_learners_own_figures_cannot_put_a_number_json_cannot_read_on_the_page():
+    """Compute seconds over wall seconds, both as the learner reports them: a wall time of
+    5e-324 s (a report the coordinator's rules accept, as the first of an incarnation) made
+    the utilization Infinity, which ``JSON.parse`` refuses: the page stopped for everyone."""
+    import json
+
+    from ddiloco.common.config import RunConfig
+    from ddiloco.coordinator import status_data
+    from ddiloco.coordinator.membership import Membership
+    from ddiloco.coordinator.watch import RunWatch
+
+    members = Membership(RunConfig(learners=1), state_path=None, clock=lambda: 100.0)
+    members.members[0] = MemberRecord(learner_id=0, shard_index=0, incarnation=1, last_heartbeat=99.0,
+                                      stats={"compute_seconds": 1.0, "wall_seconds": 5e-324, "inner_steps": 1})
+    view = status_data.build(members.config, members, RunWatch(members, 1, run_dir=None))
+    json.dumps(view, allow_nan=False)
+    assert view["members"][0]["compute_utilization"] == 1.0

@@ -23,6 +23,10 @@ from ddiloco.v1 import common_pb2, coordinator_pb2
 
 MAX_LISTED = 5  # differences named in a refusal; the rest are counted
 MAX_DTYPE_CHARS = 16  # of a caller's dtype string quoted in a refusal (the longest torch name is 14)
+# Dimensions of one tensor in a caller's signature: a model's parameters have a handful. A
+# bound, so that the work a Register costs is not set by a dimension list the caller sends
+# (a 9 MiB message holds one "tensor" of millions of dimensions).
+MAX_DIMS = 64
 
 
 def signature_of(
@@ -67,9 +71,10 @@ def _count(shape) -> int:
     return count
 
 
-def _listed(differences: list[str]) -> str:
-    """The first ``MAX_LISTED`` differences, and how many more there are."""
-    more = len(differences) - MAX_LISTED
+def _listed(differences: list[str], total: int | None = None) -> str:
+    """The first ``MAX_LISTED`` differences, and how many more there are (of ``total``, if
+    only the first few were written out)."""
+    more = (len(differences) if total is None else total) - MAX_LISTED
     return "; ".join(differences[:MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
 
 
@@ -98,6 +103,8 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
     """Raise unless ``got`` describes the expected model; the message names what differs."""
     if not got.tensors:
         raise InvalidArgument("RegisterRequest.model is missing: send the signature of the model you built")
+    if any(len(t.shape) > MAX_DIMS for t in got.tensors):
+        raise InvalidArgument(f"RegisterRequest.model has a tensor of more than {MAX_DIMS} dimensions")
     mine = _named_shapes(got)
     if any(d < 0 for _, shape in mine for d in shape):
         raise InvalidArgument("RegisterRequest.model has a negative dimension")
@@ -125,12 +132,17 @@ def check_signature(got: coordinator_pb2.ModelSignature, expected: coordinator_p
     parameters = min(INT64_MAX, sum(_count(shape) for _, shape in mine))
     theirs = dict(_named_shapes(expected))
     ours = dict(mine)
-    diffs = [f"{n}: {list(s)} instead of {list(theirs[n])}" for n, s in ours.items() if n in theirs and theirs[n] != s]
-    diffs += [f"unexpected {n} {list(s)}" for n, s in ours.items() if n not in theirs]
-    diffs += [f"missing {n} {list(s)}" for n, s in theirs.items() if n not in ours]
+    # names first, words for the few shown only: a caller's signature may list a million tensors
+    other_shape = [n for n, s in ours.items() if n in theirs and theirs[n] != s]
+    unexpected = [n for n in ours if n not in theirs]
+    missing = [n for n in theirs if n not in ours]
+    diffs = [f"{n}: {list(ours[n])} instead of {list(theirs[n])}" for n in other_shape[:MAX_LISTED]]
+    diffs += [f"unexpected {n} {list(ours[n])}" for n in unexpected[:MAX_LISTED]]
+    diffs += [f"missing {n} {list(theirs[n])}" for n in missing[:MAX_LISTED]]
+    total = len(other_shape) + len(unexpected) + len(missing)
     if not diffs:  # same tensors, other order
-        diffs = ["same tensors in another order"]
-    shown = _listed(diffs)
+        diffs, total = ["same tensors in another order"], 1
+    shown = _listed(diffs, total)
     raise FailedPrecondition(
         f"this learner's model differs from the run's ({len(mine)} tensors, {parameters:,} parameters; "
         f"the run has {len(theirs)} tensors, {expected.parameters:,} parameters): {shown}"

@@ -64,7 +64,9 @@ def build(config, members, watch) -> dict:
                 "bytes_uploaded": s["bytes_uploaded"],
                 "bytes_downloaded": s["bytes_downloaded"],
                 "train_loss": s["last_loss"],
-                "compute_utilization": round(rec.stats.get("compute_seconds", 0.0) / wall, 4) if wall > 0 else 0.0,
+                # at most 1: the two figures are the learner's own, and a wall time of 5e-324 s
+                # would make it Infinity, which no JSON parser reads (the page would stop)
+                "compute_utilization": round(min(1.0, rec.stats.get("compute_seconds", 0.0) / wall), 4) if wall > 0 else 0.0,
                 "heartbeat_age_s": round(mono - rec.last_heartbeat, 2),
             })
         elapsed = members.elapsed()
