@@ -67,12 +67,27 @@ def _no_steps(h):
     h.inner_steps = 0
 
 
+def _more_steps_than_a_delta_holds(h):
+    h.inner_steps = 10**6
+
+
+def _tokens_of_thousands_of_rounds(h):
+    h.tokens = 2**40  # would take a merge's whole weight and a step of that many rounds
+
+
+def _negative_compute_time(h):
+    h.compute_seconds = -1.0
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
         (_other_fragment, "fragment 5 does not exist; this run has 1"),
         (_other_shape, "has shape"),
         (_no_steps, "inner_steps=0"),
+        (_more_steps_than_a_delta_holds, "inner_steps=1000000 is outside"),
+        (_tokens_of_thousands_of_rounds, f"tokens={2**40} is not inner_steps"),
+        (_negative_compute_time, "compute_seconds=-1.0"),
     ],
 )
 def test_a_journaled_delta_whose_header_no_longer_fits_the_run_stops_the_restart(tmp_path, change, reason):

@@ -50,6 +50,28 @@ def test_a_failed_journal_write_changes_nothing_and_the_same_delta_is_accepted_l
     assert state.status().learners[0].last_seq == 2
 
 
+def test_an_entry_in_place_whose_folder_could_not_be_synced_is_not_left_for_a_restart(tmp_path):
+    """The rename landed but the folder's fsync failed (an I/O error; injected: no device here
+    fails that way on demand): the delta is refused as not journaled, so its entry must not
+    stay for a restart to find and merge, which would take its sequence number from the
+    learner's retry of it (answered ALREADY_EXISTS for a delta it was told was refused)."""
+    from ddiloco.common import durable
+
+    state = OuterState(tiny_config(), tmp_path)
+    before = fingerprint(state)
+
+    def written_then_folder_sync_fails(path, data):
+        durable.write_bytes(path, data)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    state.journal.writer = written_then_folder_sync_fails
+    with pytest.raises(StorageError) as info:
+        push(state, 0, 1, seed=0)
+    assert info.value.errno == errno.EIO
+    assert list((tmp_path / "journal").iterdir()) == []
+    assert fingerprint(OuterState(tiny_config(), tmp_path)) == before  # the restart finds nothing
+
+
 def test_durable_write_leaves_no_temporary_when_the_disk_is_full(tmp_path, monkeypatch):
     from ddiloco.common import durable
 

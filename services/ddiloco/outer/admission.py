@@ -32,8 +32,10 @@ Bounds and why
   clock, at most ``max_staleness_rounds`` of other learners' work behind
   (``merge.staleness_discount``).
 
-The same checks, but the magnitude, run again on a journaled delta after a restart
-(``recovery.py``): its header is not covered by the entry's digest.
+The same checks run again on a journaled delta after a restart (``recovery.py``), since its
+header is not covered by the entry's digest: all but the magnitude (which depends on the
+parameters of the time) and the compute time's upper bound (a lease per step: a resumed run
+may shorten the lease).
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def check_work(
     """Refuse a header whose work figures no learner of this run could produce;
     ``step_weight``: the run's workload's ``step_weight()``; ``loss``: the window's mean
     training loss."""
+    check_steps_and_tokens(config, tokens, inner_steps, step_weight)
+    if not (math.isfinite(compute_seconds) and 0 <= compute_seconds <= inner_steps * config.lease_timeout_s):
+        raise InvalidArgument(
+            f"compute_seconds={compute_seconds} is not a time {inner_steps} steps can take "
+            f"(0 to {config.lease_timeout_s} s per step)",
+        )
+    if not math.isfinite(loss):
+        raise InvalidArgument(f"loss={loss} is not finite: a learner stops before a non-finite loss reaches its parameters")
+
+
+def check_steps_and_tokens(config: RunConfig, tokens: int, inner_steps: int, step_weight: int) -> None:
+    """The part of ``check_work`` that only settings a resumed run keeps decide (H, the
+    coalescing bound, the workload's step weight), so that a delta journaled before a
+    restart or a resume is held to it too (``recovery.py``): ``tokens`` weighs its merge."""
     h = config.learner.inner_steps
     max_steps = config.learner.max_delta_steps()
     if not 1 <= inner_steps <= max_steps:
@@ -77,13 +93,6 @@ def check_work(
             f"tokens={tokens} is not inner_steps ({inner_steps}) x a batch weight in [1, {max_per_step}] "
             f"({MAX_BATCH_FACTOR} x the run's step weight {step_weight})",
         )
-    if not (math.isfinite(compute_seconds) and 0 <= compute_seconds <= inner_steps * config.lease_timeout_s):
-        raise InvalidArgument(
-            f"compute_seconds={compute_seconds} is not a time {inner_steps} steps can take "
-            f"(0 to {config.lease_timeout_s} s per step)",
-        )
-    if not math.isfinite(loss):
-        raise InvalidArgument(f"loss={loss} is not finite: a learner stops before a non-finite loss reaches its parameters")
 
 
 def linf(t: torch.Tensor) -> float:

@@ -132,10 +132,18 @@ class DeltaJournal:
         path = self.path_for(header.learner_id, header.seq)
         try:
             self.writer(path, encode_entry(header, payload))
-        except StorageError:
-            raise
-        except OSError as exc:  # whatever the writer, the caller gets one typed error
-            raise StorageError(path, exc) from exc
+        except OSError as exc:
+            # The entry may be in place already (the rename done, the folder's fsync failed).
+            # The delta is refused as not journaled, so a restart must not find it and merge
+            # it. No other entry can have this name: a sequence is journaled once, under its
+            # learner's lock, and only after the checks that refuse a repeat.
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder is unusable: the caller's refusal stands, and so may the entry
+            if isinstance(exc, StorageError):
+                raise
+            raise StorageError(path, exc) from exc  # whatever the writer, the caller gets one typed error
         return path
 
     def load(

@@ -16,6 +16,7 @@ cannot be brought back to the version ``LATEST`` names.
 from __future__ import annotations
 
 import logging
+import math
 import pathlib
 from typing import TYPE_CHECKING, Callable
 
@@ -107,13 +108,16 @@ def journaled_delta(
 ) -> tuple[Fragment, list[torch.Tensor]]:
     """The fragment and tensors of a journal entry that read back whole, checked as admission
     checked them when it was acknowledged (but for the magnitude, which depends on the
-    parameters of the time): the entry's digest covers its payload, not its header, so a
-    damaged header could otherwise put the delta on another fragment or crash the merge.
+    parameters of the time, and the compute time's lease bound, which a resume may change):
+    the entry's digest covers its payload, not its header, so a damaged header could
+    otherwise put the delta on another fragment, crash the merge, or (its tokens) take a
+    merge's whole weight and a step of thousands of rounds.
     Raises ``JournalCorrupt`` naming the file, the learner, the sequence and what is wrong."""
     try:
         frag = state.fragment(header.fragment)  # a fragment of the run that this shard owns
-        if header.inner_steps < 1 or header.tokens < 1:
-            raise errors.InvalidArgument(f"inner_steps={header.inner_steps}, tokens={header.tokens}: not a window of work")
+        admission.check_steps_and_tokens(state.config, header.tokens, header.inner_steps, state.workload.step_weight())
+        if not (math.isfinite(header.compute_seconds) and header.compute_seconds >= 0):
+            raise errors.InvalidArgument(f"compute_seconds={header.compute_seconds} is not a time")
         admission.check_tensors(
             frag.index, header.payload.tensors, [state.names[i] for i in frag.tensor_ids],
             [state.shapes[i] for i in frag.tensor_ids],
@@ -168,8 +172,9 @@ def requeue(state: "OuterState", journal: Journaled) -> None:
     replayed = 0
     for path, header, payload in journal.values():
         frag, tensors = journaled_delta(state, path, header, payload)
-        # an acknowledged delta is merged even if its base version fell out of tracking
-        frag.tokens_at_version.setdefault(header.base_version, frag.tokens_merged)
+        # an acknowledged delta is merged even if its base version fell out of tracking: at
+        # the staleness bound's discount (merge.plan_merge). Its base stays off the clock,
+        # where putting it back would make it, and every push on it, look fresh.
         frag.pending.append(
             Pending(
                 header.learner_id, header.seq, frag.index, header.base_version, header.tokens,
