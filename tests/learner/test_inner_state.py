@@ -65,6 +65,45 @@ def test_nothing_is_written_before_the_first_step(tmp_path):
     assert inner_state.restore(path, RUN, 0, names, params, _adamw(params)) is None
 
 
+
+def test_a_parameter_no_gradient_reached_is_kept_without_state_and_the_rest_is_restored_exactly(tmp_path):
+    """A workload may have parameters AdamW never steps (frozen, or on a path no batch takes):
+    they have no moments. The others' state is kept and restored all the same (before, one
+    such parameter meant no state was ever written), and the restored optimizer still takes
+    exactly the steps the uninterrupted one takes."""
+    names, params = _model()
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    names, params = names + ["frozen"], params + [frozen]
+    opt = _adamw(params)
+    _train(params[:2], opt, 5, seed=1)
+    path = inner_state.path_for(tmp_path, 2)
+    assert inner_state.save(path, RUN, 2, names, params, opt, schedule_step=5)
+
+    again = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in params]
+    fresh = _adamw(again)
+    restored = inner_state.restore(path, RUN, 2, names, again, fresh)
+    assert restored == inner_state.Restored(adam_step=5, schedule_step=5, without_state=(2,))
+    assert not fresh.state.get(again[2])
+    _train(params[:2], opt, 3, seed=2)
+    _train(again[:2], fresh, 3, seed=2)
+    for a, p in zip(again, params):
+        assert torch.equal(a, p)
+
+
+@pytest.mark.parametrize("listed", ['[5]', '[0, 0]', '"2"', '[true]', 'not json', '[0, 1, 2]'])
+def test_a_list_of_parameters_without_state_that_is_not_this_models_is_refused(tmp_path, listed, caplog):
+    names, params = _model()
+    names, params = names + ["frozen"], params + [torch.nn.Parameter(torch.ones(3), requires_grad=False)]
+    opt = _adamw(params)
+    _train(params[:2], opt, 2, seed=1)
+    path = inner_state.path_for(tmp_path, 2)
+    assert inner_state.save(path, RUN, 2, names, params, opt, schedule_step=2)
+    _rewrite(path, meta_change=lambda meta: meta.update(without_state=listed))
+    with caplog.at_level(logging.WARNING):
+        assert inner_state.restore(path, RUN, 2, names, params, _adamw(params)) is None
+    assert "without state is not one of this model's" in caplog.text
+
+
 @pytest.fixture
 def saved(tmp_path):
     names, params = _model()

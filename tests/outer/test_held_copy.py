@@ -133,6 +133,60 @@ def test_a_learner_starting_after_merges_downloads_changes_not_the_model_and_ref
         assert (np.abs(x - y) <= bound).all(), float((np.abs(x - y) - bound).max())
 
 
+
+class _LosesTheRefine:
+    """The real client, except that the answer to the second start-up download (asked from
+    the version the copy already is) is damaged in transit once, after the outer optimizer
+    made it: a fault injected between two real processes, as a flipped bit would be."""
+
+    def __init__(self, client: OuterClient) -> None:
+        self.client, self.lost = client, 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def pull(self, fragment, have_version, **kw):
+        got = self.client.pull(fragment, have_version, **kw)
+        if have_version >= 0 and got.version == have_version and not self.lost:
+            from ddiloco.common.transport import CorruptDownload
+
+            self.lost += 1
+            raise CorruptDownload(f"fragment {fragment}: digest mismatch (injected)")
+        return got
+
+
+def test_a_refined_copy_whose_answer_was_lost_is_asked_again_in_full(system, tmp_path):
+    """The outer optimizer remembers the copy a refine leaves under the version it was asked
+    from, in place of the copy before it. When that answer is lost, the learner still holds
+    the copy before it, which the server no longer knows: another change from that version
+    would land on the wrong copy, off by the whole refine, and no later download would
+    correct it. The learner asks for the fragment in full instead: its copy is the global
+    parameters, and the server's record of it agrees (a change asked from it is all zeros)."""
+    import json
+
+    from ddiloco.common.metrics import MetricsLog
+    from ddiloco.learner.puller import Puller
+    from ddiloco.learner.stats import Stats
+
+    cluster, (a, b), cfg = system
+    client = _LosesTheRefine(OuterClient(cluster.outer_address, RUN, b))
+    now = client.client.pull(0, -1, timeout=30)
+    assert now.version > 0, "runs after the tests above, which merged"
+    log = tmp_path / "puller.jsonl"
+    puller = Puller(lambda: client, b, cfg.fragments, 1000, 0.02, Stats(), MetricsLog(log, "learner"))
+    puller.backoff_initial_s = 0.01
+    copy = puller.pull_all(timeout=30, held=[seeded_fragment(cfg)])[0]
+    assert client.lost == 1
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    pulls = [(e["start"], e["full"], e["refine"]) for e in events if e["event"] == "pull"]
+    assert pulls == [(True, False, False), (True, True, True)], pulls
+    assert copy.version == now.version
+    for (_, x), (_, y) in zip(copy.arrays, now.arrays):
+        np.testing.assert_array_equal(x, y)
+    again = client.client.pull(0, copy.version, timeout=30)
+    assert again.base_version == copy.version
+    assert all(not d.any() for _, d in again.arrays), "the server's record of the copy is not the copy"
+
 def test_a_restarted_outer_optimizer_still_holds_version_0(tmp_path):
     """Version 0 is rebuilt from the run's seed at every start, before the checkpoint is
     restored over the global parameters: after merges and a restart it is still the seeded

@@ -186,8 +186,15 @@ def share_moments(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     Every rank steps on the group's mean gradient, so the ranks' moments are equal from then on,
     as they were before the restart."""
     rank0 = dist.get_rank() == 0
-    moments = []
-    for p in params:
+    # which parameters rank 0's AdamW holds state for (not one never given a gradient)
+    held = torch.tensor([bool(optimizer.state.get(p)) if rank0 else False for p in params], dtype=torch.int64,
+                        device=params[0].device if params else "cpu")
+    dist.broadcast(held, src=0)
+    moments: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for p, has in zip(params, held.tolist()):
+        if not has:
+            moments.append(None)
+            continue
         if rank0:
             pair = (optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
         else:

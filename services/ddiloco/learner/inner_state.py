@@ -53,6 +53,7 @@ class StaleState(ValueError):
 class Restored:
     adam_step: int  # AdamW's own step count (bias correction)
     schedule_step: int  # the learner's steps so far, for its learning-rate schedule
+    without_state: tuple[int, ...] = ()  # parameters AdamW holds nothing for (never a gradient)
 
 
 def path_for(folder: pathlib.Path, learner_id: int) -> pathlib.Path:
@@ -71,17 +72,23 @@ class Snapshot:
 
 def snapshot(run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
              optimizer: torch.optim.Optimizer, schedule_step: int) -> Snapshot | None:
-    """A copy of the state as it is now (None before AdamW's first step: nothing to keep)."""
+    """A copy of the state as it is now (None before AdamW's first step: nothing to keep).
+    A parameter AdamW holds nothing for (frozen, or on a path no batch has taken) is listed
+    in the header as such: a workload with one must not go without its state for good."""
     tensors: dict[str, torch.Tensor] = {}
     steps = set()
+    without = []
     for i, p in enumerate(params):
         st = optimizer.state.get(p)
         if not st:
-            return None
+            without.append(i)
+            continue
         # copies: the optimizer goes on updating its own in place while the file is written
         tensors[f"{i}.exp_avg"] = st["exp_avg"].detach().to("cpu", torch.float32, copy=True).contiguous()
         tensors[f"{i}.exp_avg_sq"] = st["exp_avg_sq"].detach().to("cpu", torch.float32, copy=True).contiguous()
         steps.add(int(st["step"]))
+    if not steps:
+        return None
     meta = {
         "format": str(FORMAT),
         "run_id": run_id,
@@ -89,6 +96,7 @@ def snapshot(run_id: str, learner_id: int, names: list[str], params: list[torch.
         "adam_step": str(max(steps)),
         "schedule_step": str(schedule_step),
         "model": json.dumps(_signature(names, params)),
+        "without_state": json.dumps(without),
     }
     return Snapshot(tensors, meta)
 
@@ -205,10 +213,21 @@ def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, l
         raise StaleState("its model (names and shapes) is not this run's")
     adam_step = _int(meta, "adam_step", 1, MAX_STEPS)
     schedule_step = _int(meta, "schedule_step", 0, MAX_STEPS)
-    expected = {f"{i}.{k}" for i in range(len(params)) for k in ("exp_avg", "exp_avg_sq")}
+    try:  # absent: a file written before parameters without state were listed (none were)
+        without = json.loads(meta.get("without_state", "[]"))
+    except json.JSONDecodeError:
+        without = None
+    if not (isinstance(without, list) and all(type(i) is int for i in without)
+            and without == sorted(set(without)) and all(0 <= i < len(params) for i in without)
+            and len(without) < len(params)):
+        raise StaleState("its list of parameters without state is not one of this model's")
+    absent = set(without)
+    held = [i for i in range(len(params)) if i not in absent]
+    expected = {f"{i}.{k}" for i in held for k in ("exp_avg", "exp_avg_sq")}
     if set(tensors) != expected:
         raise StaleState(f"it holds {len(tensors)} tensors, not the {len(expected)} of this model's moments")
-    for i, p in enumerate(params):
+    for i in held:
+        p = params[i]
         for k in ("exp_avg", "exp_avg_sq"):
             t = tensors[f"{i}.{k}"]
             if t.dtype != torch.float32 or tuple(t.shape) != tuple(p.shape):
@@ -217,7 +236,7 @@ def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, l
                 raise StaleState(f"{names[i]}'s {k} holds NaN or Inf")
         if bool((tensors[f"{i}.exp_avg_sq"] < 0).any()):
             raise StaleState(f"{names[i]}'s exp_avg_sq holds negative values")
-    return Restored(adam_step, schedule_step)
+    return Restored(adam_step, schedule_step, tuple(without))
 
 
 def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
@@ -233,16 +252,23 @@ def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], 
     except (StaleState, OSError) as exc:
         log.warning("inner state %s not restored, starting afresh: %s", path, exc)
         return None
-    load_moments(optimizer, [(tensors[f"{i}.exp_avg"], tensors[f"{i}.exp_avg_sq"]) for i in range(len(params))],
-                 restored.adam_step)
+    moments = [
+        None if i in restored.without_state else (tensors[f"{i}.exp_avg"], tensors[f"{i}.exp_avg_sq"])
+        for i in range(len(params))
+    ]
+    load_moments(optimizer, moments, restored.adam_step)
     return restored
 
 
-def load_moments(optimizer: torch.optim.Optimizer, moments: list[tuple[torch.Tensor, torch.Tensor]],
+def load_moments(optimizer: torch.optim.Optimizer, moments: list[tuple[torch.Tensor, torch.Tensor] | None],
                  adam_step: int) -> None:
     """Give an AdamW (no state yet) each parameter's (exp_avg, exp_avg_sq), in parameter
-    order, and Adam's step count; ``load_state_dict`` moves them to each parameter's device."""
+    order, and Adam's step count; ``load_state_dict`` moves them to each parameter's device.
+    None: a parameter AdamW held nothing for, left so (its first gradient starts its state)."""
     state = optimizer.state_dict()
-    for i, (exp_avg, exp_avg_sq) in enumerate(moments):
+    for i, pair in enumerate(moments):
+        if pair is None:
+            continue
+        exp_avg, exp_avg_sq = pair
         state["state"][i] = {"step": torch.tensor(float(adam_step)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     optimizer.load_state_dict(state)

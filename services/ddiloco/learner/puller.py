@@ -138,6 +138,12 @@ class Puller:
         # fragment -> digest of a copy this learner built itself and the server has not yet
         # confirmed (pull_all's ``held``): sent with that fragment's first pull only
         self._held_digest: dict[int, bytes] = {}
+        # fragments whose copy the outer optimizer may remember differently from this one: a
+        # second start-up download (from the version this copy already is) whose answer was
+        # lost. Asked from version V at version V, the server's record of the copy after the
+        # answer replaces the one before it under the same version (outer/downloads.py), so
+        # a change from there would be applied to the wrong copy: ask for the fragment in full
+        self._unsure: set[int] = set()
         self._incoming: dict[int, FragmentCopy] = {}
         self._lock = threading.Lock()
         self.arrived = threading.Event()
@@ -163,7 +169,9 @@ class Puller:
             copy, base = self._pull(client, f, self._mine(status, f), timeout, stop, start=True)
             if 0 <= base < copy.version:
                 # a quantized change across merges (the module docstring): once more, for what
-                # the quantizer lost
+                # the quantizer lost; unsure until that answer is here (a transient status
+                # propagates, and the caller's retry of pull_all asks in full)
+                self._unsure.add(f)
                 self._pull(client, f, self._mine(status, f), timeout, stop, start=True, refine=True)
         return list(self.copies)
 
@@ -232,7 +240,8 @@ class Puller:
         across merges). Returns the new copy and the version the download was based on (-1:
         the fragment in full)."""
         backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
-        full = False  # after a mismatch, ask for the whole fragment
+        # after a mismatch, or a lost answer to a refine, ask for the whole fragment
+        full = fragment in self._unsure and not refine
         failures = 0
         limited = 0  # rate-limit refusals in a row
         while True:
@@ -242,23 +251,25 @@ class Puller:
                                   pace_s=pace_s, have_digest=digest)
                 copy = self._apply(got, merged_mine, start, refine)
                 self._held_digest.pop(fragment, None)  # confirmed (a change on it) or replaced (in full)
+                self._unsure.discard(fragment)
                 return copy, got.base_version
             except grpc.RpcError as exc:
                 pace_s = 0.0
                 hint = retry_after(exc.details()) if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-                if hint is not None:
+                if hint is not None:  # refused before any answer was made
                     limited += 1
                     self._wait_out_limit(fragment, exc.details(), hint, limited, stop)
                     continue
                 if exc.code() not in SERVER_FAULTS:
                     raise
+                full = full or refine  # an answer lost on the way may have been recorded as this copy's
                 failures += 1
                 reason = f"{exc.code().name}: {exc.details()}"
             except (CorruptDownload, CopyMismatch) as exc:
                 pace_s = 0.0
                 failures += 1
                 reason = str(exc)
-                full = full or isinstance(exc, CopyMismatch)
+                full = full or refine or isinstance(exc, CopyMismatch)
             # a failure one more download may repair, up to max_failures in a row
             self.metrics.event("pull_failed", learner=self.learner_id, fragment=fragment, reason=reason)
             if failures >= self.max_failures:
