@@ -146,7 +146,7 @@ def _corrupt_latest(tmp_path) -> str:
     return name
 
 
-@pytest.mark.parametrize("damage", ["flipped-bit", "missing-folder", "missing-state"])
+@pytest.mark.parametrize("damage", ["flipped-bit", "missing-folder", "missing-state", "state-still-parsing"])
 def test_restore_falls_back_to_the_previous_complete_checkpoint_and_replays_to_the_same_state(tmp_path, damage):
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)
@@ -159,6 +159,15 @@ def test_restore_falls_back_to_the_previous_complete_checkpoint_and_replays_to_t
         import shutil
 
         shutil.rmtree(tmp_path / "checkpoints" / name)
+    elif damage == "state-still-parsing":
+        # a digit of a learner's last accepted sequence changed: read as truth, the restart
+        # would take the merged delta of that sequence (its journal entry is kept for the
+        # fallback) for acknowledged and not merged, and merge it a second time; only the
+        # state's own SHA-256 notices
+        path = tmp_path / "checkpoints" / name / "state.json"
+        saved = json.loads(path.read_text())
+        saved["learners"]["0"]["last_seq_accepted"] -= 1
+        path.write_text(json.dumps(saved))
     else:
         (tmp_path / "checkpoints" / name / "state.json").unlink()
 

@@ -130,6 +130,26 @@ def test_a_merge_record_naming_a_missing_delta_stops_the_restart(tmp_path):
     assert str(record) in str(info.value) and "(learner 1, sequence 1)" in str(info.value)
 
 
+def test_a_merge_record_damaged_but_still_parsing_stops_the_restart(tmp_path):
+    """A digit of a weight changed on disk: the replay would apply a merge that never
+    happened, and every version after it would differ from the one learners were served.
+    The record's own SHA-256 notices, and the restart stops naming it."""
+    import json
+
+    cfg = tiny_config()
+    state = OuterState(cfg, tmp_path)
+    push(state, 0, 1, seed=0)
+    push(state, 1, 1, seed=1)
+    assert state.merge(0, force=True)
+    path = tmp_path / "merges" / "0000000001.json"
+    record = json.loads(path.read_text())
+    record["weights"][0] += 0.125
+    path.write_text(json.dumps(record))
+    with pytest.raises(MergeRecordCorrupt, match="does not match its own SHA-256") as info:
+        OuterState(cfg, tmp_path)
+    assert str(path) in str(info.value)
+
+
 def test_an_unreadable_entry_the_checkpoint_covers_does_not_stop_the_restart(tmp_path):
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)

@@ -5,11 +5,17 @@ A write that fails (disk full, read-only file system, I/O error) raises ``Storag
 which names the path and the errno, and removes its temporary file: a failed write leaves
 the folder exactly as it was. A crash can still leave a temporary behind (the process dies
 before it can clean up); ``remove_temporaries`` clears those at the next start.
+
+A JSON record that a restart trusts (a checkpoint's state, a merge record) is sealed: it
+carries the SHA-256 of its other fields (``seal``), so that damage which still parses (a
+lost digit, a dropped list entry) is found on reading (``seal_holds``) instead of restored
+as truth. Atomic writes rule out torn files, not a disk that changes bytes.
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
+import hashlib
 import itertools
 import json
 import os
@@ -71,6 +77,29 @@ def write_bytes(path: pathlib.Path, data: bytes) -> None:
         if isinstance(exc, StorageError):
             raise
         raise StorageError(path, exc) from exc
+
+
+SEAL = "sealed_sha256"  # the field a sealed record keeps the digest of the others in
+
+
+def _json_digest(obj: dict) -> str:
+    rest = {k: v for k, v in obj.items() if k != SEAL}
+    # canonical: sorted keys; JSON floats round-trip, so the digest of what is read back
+    # is the digest of what was written
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def seal(obj: dict) -> dict:
+    """``obj`` with the SHA-256 of its fields added (``SEAL``)."""
+    return {**obj, SEAL: _json_digest(obj)}
+
+
+def seal_holds(obj: dict) -> bool | None:
+    """Whether a record read back is the one sealed: True or False; None for a record
+    without a seal (written before records were sealed), which the caller accepts as before."""
+    if SEAL not in obj:
+        return None
+    return obj[SEAL] == _json_digest(obj)
 
 
 def write_json(path: pathlib.Path, obj) -> None:

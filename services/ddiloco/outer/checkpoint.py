@@ -30,8 +30,9 @@ data), restore falls back to the previous one and replays the records to the sam
 only records the previous checkpoint already covers are deleted. Restore never silently
 goes back in versions: the caller compares with the version ``LATEST`` names.
 
-Complete means: both files present, ``state.json`` parses, its version matches the folder
-name, the tensors file has the SHA-256 ``state.json`` records and parses.
+Complete means: both files present, ``state.json`` parses and matches its own SHA-256
+(``durable.seal``), its version matches the folder name, the tensors file has the SHA-256
+``state.json`` records and parses.
 
 Re-checkpointing unchanged state (same version, same learners and pending deltas, which is
 all that distinguishes two checkpoints) is a no-op: nothing is written or deleted.
@@ -58,7 +59,17 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from ddiloco.common.durable import TMP_MARK, StorageError, fsync_dir, remove_temporaries, write_bytes, write_json
+from ddiloco.common.durable import (
+    SEAL,
+    TMP_MARK,
+    StorageError,
+    fsync_dir,
+    remove_temporaries,
+    seal,
+    seal_holds,
+    write_bytes,
+    write_json,
+)
 from ddiloco.outer.journal import parse_name
 
 log = logging.getLogger(__name__)
@@ -67,7 +78,7 @@ TENSORS = "global.safetensors"
 STATE = "state.json"
 LATEST = "LATEST"
 _FOLDER = re.compile(r"^v(\d+)(?:-g(\d+))?$")  # "v00000008" is the layout before generations
-_UNKEYED = ("written_at", "tensors_sha256")  # fields that differ between two writes of the same state
+_UNKEYED = ("written_at", "tensors_sha256", SEAL)  # fields that differ between two writes of the same state
 
 
 class CheckpointError(Exception):
@@ -131,6 +142,8 @@ def read_folder(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise Incomplete(f"{path.name}: {exc}") from exc
     if not isinstance(state, dict) or "version" not in state:
         raise Incomplete(f"{path.name}: {STATE} has no version")
+    if seal_holds(state) is False:  # None: a checkpoint from before states were sealed
+        raise Incomplete(f"{path.name}: {STATE} does not match its own SHA-256")
     key = folder_key(path)
     if key is not None and key[0] != state["version"]:
         raise Incomplete(f"{path.name}: {STATE} says version {state['version']}")
@@ -228,7 +241,7 @@ class CheckpointStore:
         tmp = self.root / f".{name}{TMP_MARK}"
         final = self.root / name
         blob = save_tensors(tensors, metadata={"version": str(version)})
-        state = dict(state, tensors_sha256=hashlib.sha256(blob).hexdigest(), written_at=time.time())
+        state = seal(dict(state, tensors_sha256=hashlib.sha256(blob).hexdigest(), written_at=time.time()))
         try:
             with _storage(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)

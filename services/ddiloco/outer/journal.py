@@ -41,7 +41,7 @@ import re
 import struct
 from typing import Callable, Iterator
 
-from ddiloco.common.durable import StorageError, write_bytes, write_json
+from ddiloco.common.durable import StorageError, seal, seal_holds, write_bytes, write_json
 from ddiloco.common.wire import digest_matches, payload_format
 from ddiloco.v1 import outer_pb2
 
@@ -173,7 +173,9 @@ def record_name(version: int) -> str:
 
 class MergeJournal:
     """The merge records: which deltas, with which weights and work fraction, made each
-    version. Full precision (JSON floats round-trip), so a replay is bit-exact."""
+    version. Full precision (JSON floats round-trip), so a replay is bit-exact; sealed
+    (``durable.seal``), so that a record damaged on disk stops the restart instead of
+    replaying a merge that never happened."""
 
     def __init__(self, folder: pathlib.Path, writer: Callable[[pathlib.Path, dict], None] = write_json) -> None:
         self.folder = pathlib.Path(folder)
@@ -182,7 +184,7 @@ class MergeJournal:
     def write(self, record: dict) -> pathlib.Path:
         """Durable before it returns; raises ``StorageError`` (nothing written) on failure."""
         path = self.folder / record_name(record["version"])
-        self.writer(path, record)
+        self.writer(path, seal(record))
         return path
 
     def records(self) -> Iterator[tuple[pathlib.Path, dict]]:
@@ -194,4 +196,6 @@ class MergeJournal:
                 record["version"], record["fragment"], record["deltas"]  # noqa: B018 -- present
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise MergeRecordCorrupt(path, f"does not parse: {exc!r}") from exc
+            if seal_holds(record) is False:  # None: a record from before records were sealed
+                raise MergeRecordCorrupt(path, "does not match its own SHA-256")
             yield path, record
