@@ -4,6 +4,9 @@ requests signed the way a real learner signs them."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import pathlib
 import secrets
 
 import pytest
@@ -87,3 +90,26 @@ def coordinator(tmp_path):
     cluster, stub = start_coordinator(tmp_path, ["--lease-timeout", "1.5"])
     yield cluster, stub
     cluster.stop_all()
+
+
+def fill_disk(folder: pathlib.Path) -> pathlib.Path:
+    """Fill the file system ``folder`` is on (a small tmpfs) with one file; returns it, for
+    the test to delete when the disk should have space again."""
+    filler = pathlib.Path(folder) / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(4096)):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def events(run_dir: pathlib.Path, kind: str) -> list[dict]:
+    """The run's ``metrics.jsonl`` events of ``kind``."""
+    path = pathlib.Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]

@@ -36,7 +36,7 @@ import threading
 
 import grpc
 import pytest
-from coord_helpers import announce_outer, membership, register, start_coordinator
+from coord_helpers import announce_outer, events, fill_disk, membership, register, start_coordinator
 from support import wait_until
 
 from ddiloco.common.config import RunConfig
@@ -53,26 +53,6 @@ def _tmpfs(path: pathlib.Path, size: str = "256k"):
     from outer_helpers import Tmpfs  # the outer optimizer's full-disk tests use the same
 
     return Tmpfs(path, size)
-
-
-def _fill(folder: pathlib.Path) -> pathlib.Path:
-    filler = folder / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, bytes(4096)):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return filler
-
-
-def _events(run_dir: pathlib.Path, kind: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
 
 
 class _WatchedRLock:
@@ -129,7 +109,7 @@ def test_a_registration_the_disk_refuses_is_answered_unavailable_and_its_retry_i
     try:
         cluster, stub = start_coordinator(tmp_path)
         announce_outer(stub)
-        filler = _fill(tmp_path / "coordinator")
+        filler = fill_disk(tmp_path / "coordinator")
         with pytest.raises(grpc.RpcError) as refused:
             register(stub, token="the-same-process")
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
@@ -172,9 +152,9 @@ def test_the_end_of_the_run_is_written_once_the_disk_has_space_without_finalizin
         with svc.members.lock:  # every learner has left a draining run: the timer ends it
             svc.members.state = coordinator_pb2.RUN_STATE_DRAINING
             svc.members.drain_started = svc.members.clock()
-        filler = _fill(tmp_path / "coordinator")
+        filler = fill_disk(tmp_path / "coordinator")
         svc.start()
-        wait_until(lambda: outer.finalized and _events(tmp_path, "state_save_failed"), 60, "the end refused by the disk")
+        wait_until(lambda: outer.finalized and events(tmp_path, "state_save_failed"), 60, "the end refused by the disk")
         assert not svc.finished.is_set()
         assert not (tmp_path / "report.json").exists()
 

@@ -12,25 +12,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
 import threading
 
 import pytest
-from coord_helpers import announce_outer, register, start_coordinator
+from coord_helpers import announce_outer, events, fill_disk, register, start_coordinator
 from support import wait_until
 
 from ddiloco.common.config import RunConfig
 from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
-
-
-def _events(run_dir, kind):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root")
@@ -44,22 +36,15 @@ def test_a_full_disk_does_not_stop_the_lease_timer_and_the_state_is_saved_once_t
         cluster, stub = start_coordinator(tmp_path, ["--lease-timeout", "1.5"])
         announce_outer(stub)
         learner = register(stub).learner_id  # saved; from here on it never heartbeats
-        fd = os.open(tmp_path / "coordinator" / "filler", os.O_WRONLY | os.O_CREAT)
-        try:  # the disk fills up
-            while os.write(fd, bytes(4096)):
-                pass
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        wait_until(lambda: _events(tmp_path, "state_save_failed"), 30, "a failed state save")
-        wait_until(lambda: _events(tmp_path, "learner_dead"), 30, "the lease to expire while saves fail")
-        assert [e["learner"] for e in _events(tmp_path, "learner_dead")] == [learner]
-        assert "ENOSPC" in _events(tmp_path, "state_save_failed")[0]["reason"]
+        filler = fill_disk(tmp_path / "coordinator")  # the disk fills up
+        wait_until(lambda: events(tmp_path, "state_save_failed"), 30, "a failed state save")
+        wait_until(lambda: events(tmp_path, "learner_dead"), 30, "the lease to expire while saves fail")
+        assert [e["learner"] for e in events(tmp_path, "learner_dead")] == [learner]
+        assert "ENOSPC" in events(tmp_path, "state_save_failed")[0]["reason"]
 
-        (tmp_path / "coordinator" / "filler").unlink()  # space again
-        wait_until(lambda: _events(tmp_path, "state_saved_again"), 30, "the state saved again")
-        assert len(_events(tmp_path, "state_save_failed")) == 1, "logged once per streak, not per tick"
+        filler.unlink()  # space again
+        wait_until(lambda: events(tmp_path, "state_saved_again"), 30, "the state saved again")
+        assert len(events(tmp_path, "state_save_failed")) == 1, "logged once per streak, not per tick"
         assert cluster.procs[0].returncode() is None, "a full disk must not stop the coordinator"
     finally:
         if cluster is not None:
