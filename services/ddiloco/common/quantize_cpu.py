@@ -82,30 +82,31 @@ def _lock(path: str | None, wait_s: float = LOCK_WAIT_S) -> int | None:
     # a blocking flock in a thread of its own, waited for a bounded time: the wait stays
     # visible to the kernel as one (/proc/locks) and costs no polling
     taken, guard = threading.Event(), threading.Lock()
-    state = {"given_up": False, "ok": False, "failed": False}
+    # "held" or "failed" once the flock returned; "given up" once the caller went on without it
+    state = {"outcome": None}
 
     def take() -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            outcome = "ok"
+            outcome = "held"
         except OSError:  # a file system without flock: go on as numba alone would
             outcome = "failed"
         with guard:
-            if state["given_up"]:  # the caller went on without it: let it go at once
+            if state["outcome"] == "given up":  # the caller went on without it: let it go at once
                 os.close(fd)
                 return
-            state[outcome] = True
+            state["outcome"] = outcome
         taken.set()
 
     threading.Thread(target=take, name="kernel-cache-lock", daemon=True).start()
     taken.wait(wait_s)
     with guard:
-        if state["ok"]:
+        if state["outcome"] == "held":
             return fd
-        if state["failed"]:
+        if state["outcome"] == "failed":
             os.close(fd)
             return None
-        state["given_up"] = True
+        state["outcome"] = "given up"
     log.warning("kernel cache lock %s still held after %.0f s; compiling without it", path, wait_s)
     return None
 

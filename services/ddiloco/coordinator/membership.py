@@ -275,7 +275,7 @@ class Membership:
             if self.state == coordinator_pb2.RUN_STATE_WAITING:
                 self.state = coordinator_pb2.RUN_STATE_RUNNING
                 self.running_since = self.clock()
-            self._save_for("the registration of learner %d" % learner_id)
+            self._save_for(f"the registration of learner {learner_id}")
             return rec
 
     def _free_id(self, token: str) -> int:
