@@ -453,20 +453,21 @@ def loss_at_tokens(curve: list[tuple[int, float]], tokens: float) -> float:
 def resume_stats(events: list[dict], inner_steps: int, tokens_per_step: int) -> dict:
     """Per learner restart: steps the dead incarnation trained whose deltas were neither
     acknowledged nor refused, which the new incarnation trains again (it resumes where the
-    acknowledged work ended); steps of refused deltas, read again too; steps skipped (must be 0)."""
+    work answered for good ended: accepted, or refused as stale); steps of refused deltas
+    (trained, dropped, not read again); steps skipped (must be 0)."""
     trained: dict[int, int] = {}
     refused: dict[int, int] = {}
     last_start: dict[int, dict] = {}
-    retrained, reread, skipped = [], 0, []
+    retrained, refused_steps, skipped = [], 0, []
     for e in events:
         lid = e.get("learner")
         if e["event"] == "learner_start":
             if lid in last_start:
                 advanced = e["batch_index"] - last_start[lid]["batch_index"]
-                lost = trained.get(lid, 0) - refused.get(lid, 0) - advanced
+                lost = trained.get(lid, 0) - advanced
                 retrained.append(max(0, lost))
                 skipped.append(max(0, -lost))
-                reread += refused.get(lid, 0)
+                refused_steps += refused.get(lid, 0)
             last_start[lid] = e
             trained[lid] = refused[lid] = 0
         elif e["event"] == "window" and lid in trained:
@@ -477,7 +478,7 @@ def resume_stats(events: list[dict], inner_steps: int, tokens_per_step: int) -> 
         "restarts": len(retrained),
         "retrained_windows_max": round(max(retrained, default=0) / inner_steps, 2),
         "retrained_windows_mean": round(sum(retrained) / len(retrained) / inner_steps, 2) if retrained else 0.0,
-        "refused_windows_read_again": round(reread / inner_steps, 2),
+        "refused_windows": round(refused_steps / inner_steps, 2),
         "skipped_steps": sum(skipped),
     }
 

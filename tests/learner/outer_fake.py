@@ -71,6 +71,8 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         self.pull_paces_ms: list[int] = []  # each pull's pace_ms
         self.last_seq: dict[int, int] = {}
         self.tokens_accepted: collections.Counter = collections.Counter()
+        # learner id -> (last sequence refused as stale, tokens refused as stale): status only
+        self.refused_stale: dict[int, tuple[int, int]] = {}
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         outer_pb2_grpc.add_OuterOptimizerServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -158,7 +160,11 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
                 ready=True,
                 version=sum(self.versions.values()),
                 learners=[
-                    outer_pb2.LearnerMergeStats(learner_id=k, last_seq=v, tokens_accepted=self.tokens_accepted[k])
+                    outer_pb2.LearnerMergeStats(
+                        learner_id=k, last_seq=v, tokens_accepted=self.tokens_accepted[k],
+                        resume_tokens=self.tokens_accepted[k] + self.refused_stale.get(k, (0, 0))[1],
+                        last_seq_refused_stale=self.refused_stale.get(k, (0, 0))[0],
+                    )
                     for k, v in sorted(self.last_seq.items())
                 ],
                 fragments=[

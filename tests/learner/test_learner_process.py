@@ -168,3 +168,25 @@ def test_a_learner_cut_off_past_its_lease_and_replaced_stops_at_its_first_heartb
         member = {x.learner_id: x for x in m.members}[0]
         assert member.alive and not member.left and member.incarnation == 2
         assert not [e for e in _events(cluster, "learner_left") if e.get("learner") == 0]
+
+
+def test_a_learner_resumes_past_its_work_refused_as_stale_and_numbers_past_it(run):
+    """A learner restarted after some of its deltas were refused as stale reads its shard
+    from where its work answered for good ends (accepted, or refused: dropped by design, not
+    trained again) and numbers its next delta past the last refused one, as the outer
+    optimizer's status says (``resume_tokens``, ``last_seq_refused_stale``). Before, it
+    resumed at its accepted tokens: for each refused window one window early, training
+    acknowledged batches a second time."""
+    from support import wait_until
+
+    cluster, fake = run
+    window = 5 * 4 * 64  # TINY_RUN: H = 5, batch 4, context 64
+    fake.last_seq[0], fake.tokens_accepted[0] = 3, 3 * window  # seqs 1-3 accepted
+    fake.refused_stale[0] = (5, 2 * window)  # seqs 4 and 5 refused as stale
+
+    proc = cluster.start_learner(0, ["--device", "cpu"])
+    wait_until(lambda: fake.accepted_seqs(0), 180, "the learner's first upload")
+    start = _events(cluster, "learner_start")[-1]
+    assert (start["batch_index"], start["first_seq"]) == (5 * 5, 6)
+    assert fake.accepted_seqs(0)[0] == 6
+    assert proc.returncode() is None, proc.log_path.read_text()[-3000:]

@@ -50,6 +50,11 @@ class FailedPrecondition(Refused):
     stale, finalized, a model that differs from the run's)."""
 
 
+class Stale(FailedPrecondition):
+    """A delta whose base is too old to merge (the staleness rule): a final verdict on work
+    that was trained, which the learner drops and does not train again."""
+
+
 class NotFound(Refused):
     """The learner is not registered (any more)."""
 

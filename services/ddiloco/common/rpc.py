@@ -33,6 +33,7 @@ STATUS_OF = {
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Stale: grpc.StatusCode.FAILED_PRECONDITION,  # a final verdict: the learner drops the delta
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,

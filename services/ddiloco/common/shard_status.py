@@ -59,7 +59,9 @@ def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.Out
                 deltas_refused=sum(r.deltas_refused for r in present),
                 tokens_merged=min(r.tokens_merged if r is not None else 0 for r in rows),
                 tokens_accepted=min(r.tokens_accepted if r is not None else 0 for r in rows),
+                resume_tokens=min(r.resume_tokens if r is not None else 0 for r in rows),
                 last_seq=max(r.last_seq for r in present),
+                last_seq_refused_stale=max(r.last_seq_refused_stale for r in present),
             )
         )
     out.fragments.extend(sorted((f for s in statuses for f in s.fragments), key=lambda f: f.fragment))

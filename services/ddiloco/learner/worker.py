@@ -396,10 +396,16 @@ class Learner:
         status = combine_statuses(statuses)
         mine = next((r for r in status.learners if r.learner_id == self.learner_id), None)
         shard = (self.shard_index, cfg.learners, cfg.data.seed)
-        self.batch_index = workload.batches_before(*shard, mine.tokens_accepted) if mine else 0
+        # past its work answered for good: accepted, or refused as stale (dropped by design,
+        # not trained again); an outer optimizer without ``resume_tokens`` answers 0 there
+        self.batch_index = workload.batches_before(*shard, max(mine.tokens_accepted, mine.resume_tokens)) if mine else 0
         # a group of R ranks reads R consecutive batches per step, this process the first
         self.batches = strided(workload.train_batches(*shard, self.batch_index), self.ranks)
-        last_seqs = [next((r.last_seq for r in st.learners if r.learner_id == self.learner_id), 0) for st in statuses]
+        # numbered past refusals too: a retry of a refused sequence is not counted twice there
+        last_seqs = [
+            next((max(r.last_seq, r.last_seq_refused_stale) for r in st.learners if r.learner_id == self.learner_id), 0)
+            for st in statuses
+        ]
         # the model this process built from the run's seed, offered as each fragment's version
         # 0: one that is still there is not downloaded (outer/downloads.py). Views of the
         # parameters (on a CPU device): the puller keeps its own copy, taken before any step

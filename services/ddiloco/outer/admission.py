@@ -48,7 +48,7 @@ import torch
 
 from ddiloco.common import codec, merge
 from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
-from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Stale
 from ddiloco.common.wire import PB_TO_CODEC
 from ddiloco.outer.records import Fragment
 
@@ -166,19 +166,20 @@ def check_tensors(fragment: int, specs, names: Sequence[str], shapes: Sequence[t
 def check_staleness(
     frag: Fragment, base_version: int, learner_id: int, own_now: int, round_tokens: int, max_rounds: float
 ) -> float:
-    """Refuse a delta whose base is newer than the fragment, or too old; returns its
-    staleness discount. ``own_now``: the learner's tokens merged into ``frag`` so far."""
+    """Refuse a delta whose base is newer than the fragment (FailedPrecondition: no learner
+    can hold it), or too old (``Stale``); returns its staleness discount. ``own_now``: the
+    learner's tokens merged into ``frag`` so far."""
     if base_version > frag.version:
         raise FailedPrecondition(f"base version {base_version} is newer than fragment {frag.index}'s version {frag.version}")
     if not frag.tracks(base_version):
-        raise FailedPrecondition(
+        raise Stale(
             f"delta is stale: base version {base_version} of fragment {frag.index} is no longer tracked "
             f"(oldest {min(frag.tokens_at_version)})"
         )
     rounds = frag.rounds_behind(base_version, learner_id, own_now, round_tokens)
     discount = merge.staleness_discount(rounds, max_rounds)
     if discount is None:
-        raise FailedPrecondition(
+        raise Stale(
             f"delta is stale: {rounds:.2f} rounds of other learners' work merged into fragment {frag.index} "
             f"since base version {base_version}, bound {max_rounds}"
         )

@@ -27,6 +27,11 @@ class LearnerRecord:
     refused: int = 0
     tokens_merged: dict[int, int] = field(default_factory=dict)  # fragment -> tokens
     tokens_accepted: dict[int, int] = field(default_factory=dict)
+    # Deltas refused as stale: trained, answered for good, not to be trained again. Where a
+    # restarted learner resumes counts them with the accepted ones (``resume_tokens``);
+    # the sequence keeps a retry of the same refused delta from counting twice.
+    last_seq_refused_stale: int = 0
+    tokens_refused_stale: dict[int, int] = field(default_factory=dict)
 
     def work(self, counter: dict[int, int], fragments: Iterable[int]) -> int:
         """Tokens of this learner's work that every one of ``fragments`` has: the minimum
@@ -38,6 +43,22 @@ class LearnerRecord:
         self.last_seq_accepted = max(self.last_seq_accepted, seq)
         self.accepted += 1
         self.tokens_accepted[fragment] = self.tokens_accepted.get(fragment, 0) + tokens
+
+    def count_refused_stale(self, fragment: int, seq: int, tokens: int) -> bool:
+        """A delta refused as stale; False (nothing counted) for a sequence already answered
+        (a retry whose first answer was lost)."""
+        if seq <= max(self.last_seq_refused_stale, self.last_seq_accepted):
+            return False
+        self.last_seq_refused_stale = seq
+        self.tokens_refused_stale[fragment] = self.tokens_refused_stale.get(fragment, 0) + tokens
+        return True
+
+    def resume_tokens(self, fragments: Iterable[int]) -> int:
+        """Where a restarted learner resumes its shard: the tokens of its deltas answered for
+        good (accepted, or refused as stale) that every one of ``fragments`` has."""
+        return min(
+            self.tokens_accepted.get(f, 0) + self.tokens_refused_stale.get(f, 0) for f in fragments
+        )
 
     def count_merged(self, fragment: int, seq: int, tokens: int) -> None:
         self.merged += 1
@@ -55,6 +76,7 @@ class LearnerRecord:
         d = dict(vars(self))
         d["tokens_merged"] = {str(k): v for k, v in self.tokens_merged.items()}
         d["tokens_accepted"] = {str(k): v for k, v in self.tokens_accepted.items()}
+        d["tokens_refused_stale"] = {str(k): v for k, v in self.tokens_refused_stale.items()}
         return d
 
     @classmethod
@@ -62,6 +84,7 @@ class LearnerRecord:
         d = dict(d)
         d["tokens_merged"] = {int(k): v for k, v in d.get("tokens_merged", {}).items()}
         d["tokens_accepted"] = {int(k): v for k, v in d.get("tokens_accepted", {}).items()}
+        d["tokens_refused_stale"] = {int(k): v for k, v in d.get("tokens_refused_stale", {}).items()}
         return cls(**d)
 
 

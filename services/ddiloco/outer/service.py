@@ -117,6 +117,8 @@ def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
                 tokens_merged=r.tokens_merged,
                 tokens_accepted=r.tokens_accepted,
                 last_seq=r.last_seq,
+                resume_tokens=r.resume_tokens,
+                last_seq_refused_stale=r.last_seq_refused_stale,
             )
             for r in st.learners
         ],

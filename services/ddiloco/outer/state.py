@@ -56,7 +56,7 @@ from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.wire import decode_payload
 from ddiloco.outer import admission, decision, recovery
 from ddiloco.outer.checkpoint import CheckpointStore
-from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused, WrongShard
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused, Stale, WrongShard
 from ddiloco.outer.journal import DeltaJournal, MergeJournal
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
 from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
@@ -227,6 +227,12 @@ class OuterState:
             try:
                 admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted if rec else 0)
                 self._check_staleness(frag, header.base_version, header.learner_id)
+            except Stale:
+                # the servicer checked the sender's process is current before asking
+                rec = self.learners.setdefault(header.learner_id, LearnerRecord())
+                rec.refused += 1
+                rec.count_refused_stale(frag.index, header.seq, header.tokens)
+                raise
             except Refused:
                 if rec is not None:
                     rec.refused += 1  # as accept counts it: the push ends here
@@ -257,6 +263,12 @@ class OuterState:
                 try:
                     admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted)
                     self._check_staleness(frag, header.base_version, header.learner_id)
+                except Stale:
+                    rec.refused += 1
+                    if fence is not None:
+                        fence()  # a replaced process's refusal moves nobody's resume position
+                    rec.count_refused_stale(frag.index, header.seq, header.tokens)
+                    raise
                 except Refused:
                     rec.refused += 1
                     raise
@@ -581,6 +593,8 @@ class OuterState:
                         tokens_merged=r.work(r.tokens_merged, owned),
                         tokens_accepted=r.work(r.tokens_accepted, owned),
                         last_seq=r.last_seq_accepted,
+                        resume_tokens=r.resume_tokens(owned),
+                        last_seq_refused_stale=r.last_seq_refused_stale,
                     )
                     for k, r in sorted(self.learners.items())
                 ],

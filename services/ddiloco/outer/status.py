@@ -14,8 +14,11 @@ class LearnerStatus:
     deltas_merged: int
     deltas_refused: int
     tokens_merged: int  # work every fragment has (the minimum over fragments)
-    tokens_accepted: int  # durable work: where a restarted learner resumes its shard
+    tokens_accepted: int  # durable work (the minimum over fragments)
     last_seq: int
+    # where a restarted learner resumes its shard: its work accepted or refused as stale
+    resume_tokens: int = 0
+    last_seq_refused_stale: int = 0  # a restarted learner numbers its deltas past it too
 
 
 @dataclass
