@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -200,9 +202,100 @@ def test_the_decoder_groups_tensors_in_runs_of_at_most_one_chunk_and_large_ones_
     from ddiloco.common import quantize
 
     monkeypatch.setattr(quantize, "CHUNK_ELEMS", 256)
-    # padded to blocks of 64: 64, 128, 64, 320 (over a chunk), 64, 192, 0
+    # padded to blocks of 64: 64 (more than doubled: alone), 128, 64, 320 (over a chunk),
+    # 64 (more than doubled), 192, 0
     groups = codec._groups([1, 100, 64, 300, 10, 130, 0], 64)
-    assert groups == [[0, 1, 2], [3], [4, 5, 6]]
+    assert groups == [[0], [1, 2], [3], [4], [5, 6]]
+
+
+def test_a_decodes_work_is_the_values_sent_whatever_the_senders_block_size(monkeypatch):
+    """The block size is the sender's (up to 2^20). Batching small tensors padded each to a
+    whole block: a thousand one-value tensors at block 2^17 made a 2 kB payload dequantize
+    1.3e8 values (seconds of the outer optimizer's CPU per delta)."""
+    from ddiloco.common import quantize
+
+    arrays = [(f"t{i}", np.full(1, 0.5, np.float32)) for i in range(1000)] + [("w", np.ones(300, np.float32))]
+    enc = codec.encode(arrays, "int8", 1 << 17)
+    counted = []
+    real = quantize.dequantize
+
+    def counting(codes, qmax, block, scales, out):
+        counted.append(out.numel())
+        return real(codes, qmax, block, scales, out)
+
+    monkeypatch.setattr(quantize, "dequantize", counting)
+    decoded = codec.decode_encoded(enc)
+    assert [a.tolist() for _, a in decoded[:3]] == [[0.5]] * 3
+    assert sum(counted) <= 2 * sum(a.size for _, a in arrays)
+
+
+def _rle_frame(content_size: int | None, blocks: int, block_bytes: int = 1 << 17) -> bytes:
+    """A zstd frame of RLE blocks (4 bytes each on the wire, ``block_bytes`` decoded), stating
+    ``content_size`` in its header (None: stating none)."""
+    import struct
+
+    if content_size is None:
+        out = bytearray(b"\x28\xb5\x2f\xfd" + bytes([0x00, 0x70]))  # no size stated; a window descriptor
+    else:
+        out = bytearray(b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + struct.pack("<Q", content_size))
+    for i in range(blocks):
+        out += ((i == blocks - 1) | (1 << 1) | (block_bytes << 3)).to_bytes(3, "little") + b"\x00"
+    return bytes(out)
+
+
+def _decode_zstd(payload: bytes):
+    """Decode ``payload`` as the lossless zstd payload of one 256-value tensor (1 kB), its
+    digest right: what a sender that means harm can always arrange."""
+    from ddiloco.common import wire
+
+    info = wire.payload_info(codec.encode([("w", np.zeros(256, np.float32))], "fp32"))
+    info.payload_bytes = len(payload)
+    info.xxh3_128 = codec.digest_of(payload, 2)
+    return wire.decode_payload(info, payload)
+
+
+@pytest.mark.parametrize("stated", [1 << 46, 513, 0])
+def test_a_zstd_frame_stating_another_size_than_the_specs_is_refused_before_decompressing(stated):
+    from ddiloco.common import errors
+
+    with pytest.raises(errors.InvalidArgument, match=f"frame states {stated} bytes; the tensor specs imply 1024"):
+        _decode_zstd(_rle_frame(stated, 1))
+
+
+def test_a_zstd_frame_stating_no_size_is_held_to_what_the_specs_imply():
+    from ddiloco.common import errors
+
+    with pytest.raises(errors.Refused, match="not valid zstd: .*did not decompress full frame"):
+        _decode_zstd(_rle_frame(None, 64))
+
+
+def test_a_decompression_bomb_costs_the_receiver_no_memory(tmp_path):
+    """Measured in a process of its own (peak resident memory only grows): a 16 kB frame
+    stating and holding 512 MiB was decompressed in full before its length was checked."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, sys
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+import test_codec
+frame = test_codec._rle_frame(512 << 20, 4096)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    test_codec._decode_zstd(frame)
+except Exception as exc:
+    print("refused:", type(exc).__name__ + ":", exc)
+print("grew_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+    import os
+
+    services = str(pathlib.Path(codec.__file__).parents[2])  # this tree's code, not an installed copy
+    env = {**os.environ, "PYTHONPATH": services}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True, env=env
+    ).stdout
+    assert "refused: InvalidArgument: payload's zstd frame states 536870912 bytes" in out, out
+    assert int(out.split("grew_kib")[1]) < 64 * 1024, out
 
 
 @pytest.mark.parametrize("name", ["fp32", "int8", "int4"])

@@ -142,6 +142,27 @@ def test_the_largest_chunk_a_run_may_set_crosses_the_services_channels_with_a_fu
         client.close()
 
 
+def test_a_header_of_the_largest_size_crosses_beside_a_chunk_of_the_largest_size(served):
+    """The first message is the header, the first chunk and the protobuf framing of both.
+    The channels once allowed exactly a chunk plus a header, so a header within a few bytes
+    of the largest (which the sender accepts) beside a chunk of the largest size was refused
+    by the learner's own channel as RESOURCE_EXHAUSTED, which it retries for ever."""
+    address, echo = served
+    size = MAX_CHUNK_BYTES + 1
+    payload = bytes(size)
+    header = outer_pb2.DeltaHeader(learner_id=1, seq=3, payload=common_pb2.PayloadInfo(payload_bytes=size, tensors=_specs(9000)))
+    header.run_id = "r" * (MAX_HEADER_BYTES - header.ByteSize() - 4)
+    while header.ByteSize() < MAX_HEADER_BYTES:
+        header.run_id += "r"
+    assert header.ByteSize() == MAX_HEADER_BYTES
+    client = OuterClient(address, header.run_id, 1, chunk_bytes=MAX_CHUNK_BYTES)
+    try:
+        assert client.push_payload(header, payload, timeout=60).global_version == 3
+        assert bytes(echo.payload) == payload
+    finally:
+        client.close()
+
+
 def test_a_header_too_large_for_a_message_is_refused_before_anything_is_sent():
     header = outer_pb2.DeltaHeader(payload=common_pb2.PayloadInfo(tensors=_specs(30_000)))
     assert header.ByteSize() > MAX_HEADER_BYTES

@@ -166,7 +166,8 @@ def _check_codec(codec: str, block_size: int) -> None:
 def _groups(numels: list[int], block_size: int) -> list[list[int]]:
     """Which tensors the decoder dequantizes in one call: runs of consecutive tensors whose
     block-padded sizes add up to at most one chunk of the quantizer (``CHUNK_ELEMS``), and
-    every larger tensor alone.
+    alone every larger tensor and every one that padding would more than double: the work
+    stays proportional to the values sent, whatever the block size.
 
     Why: a model holds many small tensors (norms, biases, a small model's every matrix), and
     checking and dequantizing one costs a few torch and numpy calls whatever its size; the
@@ -180,7 +181,10 @@ def _groups(numels: list[int], block_size: int) -> list[list[int]]:
     filled = 0
     for i, n in enumerate(numels):
         padded = _nblocks(n, block_size) * block_size
-        if padded > limit:
+        # a tensor padded to more than twice its size goes alone too: the block size is the
+        # sender's (up to 2^20), and padding a thousand one-value tensors to whole blocks of
+        # it made the work of a decode the sender's to choose (seconds for a 20 kB payload)
+        if padded > limit or padded > 2 * n:
             if run:
                 groups.append(run)
             groups.append([i])
@@ -354,7 +358,16 @@ def decode(
     expected = raw_size(codec, block_size, specs)
     if compression == "zstd":
         try:
-            # max_output_size bounds memory: a decompression bomb cannot exceed what specs imply.
+            # A frame that states its content size is decompressed into a buffer of that size,
+            # whatever max_output_size says (zstandard 0.25): a 16 kB frame of RLE blocks
+            # stating 512 MiB fills 512 MiB, one stating 2^46 bytes fails to allocate. So the
+            # stated size must be what the specs imply before anything is allocated; a frame
+            # that states none is held to max_output_size.
+            declared = zstandard.frame_content_size(payload)
+            if declared >= 0 and declared != expected:
+                raise CodecError(
+                    f"payload's zstd frame states {declared} bytes; the tensor specs imply {expected}"
+                )
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected + 1)
         except zstandard.ZstdError as exc:
             raise CodecError(f"payload is not valid zstd: {exc}") from exc

@@ -81,9 +81,13 @@ def call_ended(context, within_s: float) -> bool:
     return ended.wait(within_s)
 
 
-# One message: a chunk of the largest size a run may set, and a header beside it. It bounds
-# what one message of a misbehaving peer can make a receiver hold.
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MAX_HEADER_BYTES
+# One message: a chunk of the largest size a run may set, a header beside it, and the
+# protobuf framing of the two (a tag and a length of at most 5 bytes each: without them a
+# header of the largest size beside a chunk of the largest size was refused by the sender's
+# own channel, RESOURCE_EXHAUSTED, which a learner retries for ever). It bounds what one
+# message of a misbehaving peer can make a receiver hold.
+MESSAGE_FRAMING_BYTES = 16
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MAX_HEADER_BYTES + MESSAGE_FRAMING_BYTES
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
