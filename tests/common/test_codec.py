@@ -258,7 +258,7 @@ def _decode_zstd(payload: bytes):
 def test_a_zstd_frame_stating_another_size_than_the_specs_is_refused_before_decompressing(stated):
     from ddiloco.common import errors
 
-    with pytest.raises(errors.InvalidArgument, match=f"frame states {stated} bytes; the tensor specs imply 1024"):
+    with pytest.raises(errors.InvalidArgument, match=f"frame states {stated} bytes, which does not match the 1024 bytes the tensor specs imply"):
         _decode_zstd(_rle_frame(stated, 1))
 
 

@@ -366,7 +366,8 @@ def decode(
             declared = zstandard.frame_content_size(payload)
             if declared >= 0 and declared != expected:
                 raise CodecError(
-                    f"payload's zstd frame states {declared} bytes; the tensor specs imply {expected}"
+                    f"payload's zstd frame states {declared} bytes, which does not match the {expected} bytes "
+                    "the tensor specs imply"
                 )
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=expected + 1)
         except zstandard.ZstdError as exc:
@@ -465,7 +466,12 @@ def decode_encoded(enc: Encoded) -> list[tuple[str, np.ndarray]]:
 
 
 def max_block_error(values: np.ndarray, codec: str, block_size: int) -> np.ndarray:
-    """The per-element error bound of a lossy codec: half a quantization step of its block."""
+    """The per-element error bound of a lossy codec: half a quantization step of its block
+    (the block's scale). A block whose step is below the smallest normal float32 (absolute
+    values under about 1.5e-36 in int8) has a scale of few significant bits, or 0, and may
+    be off by more, by at most about 1e-37 in absolute terms (``tests/common/
+    test_codec_reference.py`` holds the codec to that, from the inputs alone). The scale is
+    kept as the first codec computed it, so its bytes stay the same."""
     if codec == "fp32":
         return np.zeros(np.size(values), dtype=np.float32)
     x, _ = _flat(values)

@@ -41,6 +41,7 @@ import re
 import struct
 from typing import Callable, Iterator
 
+from ddiloco.common import durable
 from ddiloco.common.durable import StorageError, seal, seal_holds, write_bytes, write_json
 from ddiloco.common.wire import digest_matches, payload_format
 from ddiloco.v1 import outer_pb2
@@ -145,6 +146,18 @@ class DeltaJournal:
                 raise
             raise StorageError(path, exc) from exc  # whatever the writer, the caller gets one typed error
         return path
+
+    def discard(self, path: pathlib.Path) -> None:
+        """Remove the entry of a delta refused after it was journaled (its process was
+        replaced, or the run finalized, while it was written), durably: the folder is fsynced
+        after the unlink, or a power cut could bring the entry back for a restart to merge a
+        delta that was never acknowledged, whose work the learner's successor trains again.
+        Raises ``StorageError`` when the folder cannot be synced."""
+        try:
+            path.unlink(missing_ok=True)
+            durable.fsync_dir(self.folder)
+        except OSError as exc:
+            raise StorageError(path, exc) from exc
 
     def load(
         self, covered: Callable[[int, int], bool]

@@ -296,7 +296,10 @@ class OuterState:
                         fence()
                 except Refused:
                     if journal_path is not None:
-                        journal_path.unlink(missing_ok=True)
+                        try:
+                            self.journal.discard(journal_path)
+                        except StorageError as exc:  # the refusal stands; a restart may find the entry
+                            log.error("refused delta's journal entry may survive a power cut: %s", exc)
                     if not self.closed:
                         rec.refused += 1  # a refusal of this delta, as the checks above count it
                     raise
