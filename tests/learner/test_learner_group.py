@@ -66,6 +66,14 @@ def rank_children(pid: int) -> list[int]:
     return out
 
 
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def events(out: pathlib.Path, kind: str) -> list[dict]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -99,3 +107,81 @@ def test_a_rank_that_dies_takes_its_learner_down_and_the_restart_resumes(cluster
     assert len(restored) == 1 and restored[0]["schedule_step"] >= 10 and restored[0]["schedule_step"] % 10 == 0
     wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0 and e["seq"] >= restart["first_seq"]],
                180, "an upload of the restarted learner")
+
+
+def test_a_group_stopped_by_a_signal_to_its_learners_process_group_drains_cleanly(cluster_factory):
+    """The launcher stops a learner with SIGTERM to its process group (as a terminal's Ctrl-C
+    reaches every process of the foreground group). The other ranks run in a session of
+    their own, so the signal reaches rank 0 alone, which drains: its partial windows are
+    sent, the other ranks leave on its stop message, everything exits 0, and the moments of
+    its last step are kept. Before, the signal killed rank 1 at once, rank 0's next
+    collective failed, and the learner exited 1 as failed, its last windows unsent."""
+    cluster = cluster_factory(["--workload", MLP, "--inner-steps", "10", "--max-tokens", "10000000",
+                               "--ranks-per-learner", "2"], max_seconds=300)
+    learner = cluster.start_learner(0, ["--device", "cpu", "--slowdown", "2"])
+    wait_until(lambda: [e for e in events(cluster.out, "upload_acked") if e["learner"] == 0], 180, "learner 0's first ack")
+    ranks = wait_until(lambda: rank_children(learner.popen.pid), 30, "learner 0's second rank")
+    os.killpg(learner.popen.pid, signal.SIGTERM)
+    assert learner.popen.wait(timeout=120) == 0, learner.log_path.read_text()[-3000:]
+    for pid in ranks:
+        wait_until(lambda: ended(pid), 30, f"rank process {pid} to end")
+    stop = [e for e in events(cluster.out, "learner_stop") if e["learner"] == 0][-1]
+    assert stop["flushed"] and not stop["failed"], stop
+    assert not [e for e in events(cluster.out, "learner_failed") if e["learner"] == 0]
+    log = learner.log_path.read_text()
+    assert "RuntimeError" not in log and "Traceback" not in log
+
+
+def test_a_group_whose_rank_exits_before_it_joins_fails_at_once_with_its_exit_code(monkeypatch):
+    """Before, rank 0 waited in the rendezvous for the whole collective timeout (two hours),
+    its heartbeats saying it was alive. The rank here is a process that exits 3 at once,
+    as one killed at start (out of memory, a device error) would."""
+    import threading
+    import time
+
+    import pytest
+    import torch
+
+    from ddiloco.learner import group
+
+    real = subprocess.Popen
+    started = []
+
+    def rank_that_exits(cmd, **kw):
+        started.append(real([sys.executable, "-c", "raise SystemExit(3)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(group.subprocess, "Popen", rank_that_exits)
+    t0 = time.monotonic()
+    with pytest.raises(group.GroupFailed, match="rank 1 of the learner group exited with code 3 before the group formed"):
+        group.Group(2, torch.device("cpu"), 1)
+    assert time.monotonic() - t0 < 60
+
+    # a rank that never checks in: the learner's stop ends the wait, and the rank is ended
+    def rank_that_hangs(cmd, **kw):
+        started.append(real([sys.executable, "-c", "import time; time.sleep(600)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(group.subprocess, "Popen", rank_that_hangs)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    with pytest.raises(InterruptedError, match="stopped while the learner group formed"):
+        group.Group(2, torch.device("cpu"), 1, stop=stop)
+    assert started[-1].poll() is not None
+    with pytest.raises(group.GroupFailed, match="did not all join within 1 s"):
+        group.Group(2, torch.device("cpu"), 1, join_timeout_s=1)
+    assert started[-1].poll() is not None
+
+
+def test_a_rank_whose_learner_is_already_gone_when_it_starts_exits(tmp_path):
+    """The learner's pid is given to the rank: read by the rank itself after its seconds of
+    start-up, it would be init's if the learner had died meanwhile, and the rank would live
+    on, waiting in the rendezvous."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco.learner.rank", "--rank", "1", "--world", "2", "--init", "tcp://127.0.0.1:9",
+         "--parent", str(dead.pid)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]

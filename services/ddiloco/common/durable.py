@@ -106,6 +106,21 @@ def write_json(path: pathlib.Path, obj) -> None:
     write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def remove_temporaries_of(path: pathlib.Path) -> list[pathlib.Path]:
+    """Delete the temporaries torn writes of ``path`` left (``temporary_name``'s), and no
+    other file's: for a folder other processes write to. Call it only when no write of
+    ``path`` can be in flight. Returns what it removed."""
+    path = pathlib.Path(path)
+    prefix = f".{path.name}{TMP_MARK}-"
+    removed = []
+    if path.parent.is_dir():
+        for p in path.parent.iterdir():
+            if p.name.startswith(prefix) and p.is_file():
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed
+
+
 def remove_temporaries(folder: pathlib.Path) -> list[pathlib.Path]:
     """Delete what torn writes left in ``folder`` (hidden names containing ``.tmp``): call it
     only at start, when no write of this process can be in flight. Returns what it removed."""

@@ -32,6 +32,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from typing import Any, Iterator
 
 import torch
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 # collectives wait this long for a peer: rank 0 may block between steps (a synchronous
 # learner waiting for its merge, an outer optimizer down) for as long as the run allows
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+# every rank checks in within this long of being started (a cold start imports torch and may
+# initialize a device: seconds, a minute on a loaded host), or the learner fails
+JOIN_TIMEOUT_S = 300.0
 
 
 def strided(batches: Iterator[Any], every: int) -> Iterator[Any]:
@@ -119,24 +124,72 @@ class Solo:
         pass
 
 
-class Group:
-    """Rank 0's side of a learner group of ``size`` ranks."""
+class GroupFailed(RuntimeError):
+    """The group did not form: a rank exited first, or it did not join in time."""
 
-    def __init__(self, size: int, device: torch.device, threads: int) -> None:
+
+class Group:
+    """Rank 0's side of a learner group of ``size`` ranks.
+
+    The other ranks run in a session of their own, so that a signal meant for the learner
+    (the launcher's SIGTERM to the learner's process group, a Ctrl-C in its terminal) reaches
+    rank 0 alone: rank 0 drains, flushes its windows and stops the others with its stop
+    message. Before, the signal killed the other ranks at once, rank 0's next collective failed,
+    and every interrupted run reported its grouped learners as failed, their last windows
+    unsent. A rank still ends with its learner: it watches rank 0, its parent, by pid.
+
+    Forming the group waits for every rank to check in (a key in the rendezvous store),
+    watching the children and ``stop`` meanwhile: a rank that exits before it joins
+    (out of memory, a device error at start) fails the learner at once, with its exit code,
+    where the rendezvous alone waited the whole collective timeout (two hours) while the
+    learner's heartbeats said it was alive."""
+
+    def __init__(self, size: int, device: torch.device, threads: int, stop: threading.Event | None = None,
+                 join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
         self.size = size
         self.device = device
         self.backend = backend_for(device)
         local_only(self.backend)
         port = free_port()
         init = f"tcp://127.0.0.1:{port}"
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
         self.children = [
             subprocess.Popen([sys.executable, "-m", "ddiloco.learner.rank", "--rank", str(r), "--world", str(size),
-                              "--init", init, "--device", device.type, "--threads", str(threads)])
+                              "--init", init, "--device", device.type, "--threads", str(threads),
+                              "--parent", str(os.getpid())],
+                             start_new_session=True)
             for r in range(1, size)
         ]
-        dist.init_process_group(self.backend, init_method=init, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            self._wait_for_ranks(store, stop, join_timeout_s)
+            dist.init_process_group(self.backend, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            for child in self.children:
+                child.kill()
+                child.wait()
+            raise
         self.stopped = False
         log.info("learner group of %d ranks (%s) formed on 127.0.0.1:%d", size, self.backend, port)
+
+    def _wait_for_ranks(self, store, stop: threading.Event | None, join_timeout_s: float) -> None:
+        keys = [joined_key(r) for r in range(1, self.size)]
+        deadline = time.monotonic() + join_timeout_s
+        while not store.check(keys):
+            # (store.wait with a short timeout logs a warning at every timeout)
+            if stop is not None:
+                stop.wait(0.2)
+            else:
+                time.sleep(0.2)
+            for r, child in enumerate(self.children, start=1):
+                code = child.poll()
+                if code is not None:
+                    raise GroupFailed(f"rank {r} of the learner group exited with code {code} before the group formed")
+            if stop is not None and stop.is_set():
+                raise InterruptedError("stopped while the learner group formed")
+            if time.monotonic() > deadline:
+                raise GroupFailed(f"the learner group's ranks did not all join within {join_timeout_s:.0f} s")
+        log.info("every rank of the learner group checked in")
 
     def share_setup(self, setup: dict, params: list[torch.Tensor], fragments: list[list[int]],
                     optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -232,17 +285,22 @@ def average_gradients(params: list[torch.Tensor], loss: float, weight: int, size
     return float(totals[0]) / size, int(totals[1])
 
 
-def watch_parent() -> None:
-    """End this process when the one that started it is gone (a rank never outlives its
-    learner, even when the learner was killed between two collectives)."""
-    import threading
-    import time
+def joined_key(rank: int) -> str:
+    """The rendezvous store's key a rank sets once it is up, before it joins the group."""
+    return f"ddiloco/joined/{rank}"
 
-    parent = os.getppid()
+
+def watch_parent(parent: int) -> None:
+    """End this process when ``parent``, the learner that started it, is gone (a rank never
+    outlives its learner, even when the learner was killed between two collectives). The
+    pid comes from the learner itself: one read here, after the seconds this process takes
+    to start, would be init's if the learner had died meanwhile, and would never change."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
 
+    if os.getppid() != parent:
+        os._exit(1)
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

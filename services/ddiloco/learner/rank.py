@@ -18,8 +18,8 @@ from ddiloco.common.fragments import partition
 from ddiloco.common.schedule import inner_lr
 from ddiloco.learner.group import (
     broadcast_json,
-    COLLECTIVE_TIMEOUT, average_gradients, backend_for, local_only, receive_or_send, share_moments, strided,
-    watch_parent,
+    COLLECTIVE_TIMEOUT, average_gradients, backend_for, joined_key, local_only, receive_or_send, share_moments,
+    strided, watch_parent,
 )
 from ddiloco.workloads import load
 from ddiloco.workloads.checked import to_device
@@ -34,16 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT, rank 0's rendezvous")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parent", type=int, required=True, help="rank 0's pid: this process ends with it")
     args = parser.parse_args(argv)
     setup_logging(f"learner-rank-{args.rank}")
     limit_threads(args.threads)
-    watch_parent()
+    watch_parent(args.parent)
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", args.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     local_only(backend_for(device))
-    dist.init_process_group(backend_for(device), init_method=args.init, rank=args.rank, world_size=args.world,
+    host, port = args.init.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), args.world, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store.set(joined_key(args.rank), "1")  # rank 0 watches for this while the group forms
+    dist.init_process_group(backend_for(device), store=store, rank=args.rank, world_size=args.world,
                             timeout=COLLECTIVE_TIMEOUT)
     train(args.rank, args.world, device)
     dist.destroy_process_group()

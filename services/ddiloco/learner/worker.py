@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from ddiloco.common import auth, pacing
+from ddiloco.common import auth, durable, pacing
 from ddiloco.common.device import pick_device
 from ddiloco.common.config import RunConfig
 from ddiloco.common.fragments import offset, partition
@@ -58,7 +58,7 @@ from ddiloco.common.shard_client import ShardedOuterClient
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.transport import OuterClient
 from ddiloco.learner import inner_state
-from ddiloco.learner.group import Group, Solo, strided
+from ddiloco.learner.group import Group, GroupFailed, Solo, strided
 from ddiloco.learner.pace import TransferPace
 from ddiloco.learner.puller import FragmentCopy, Puller
 from ddiloco.learner.stats import Stats
@@ -174,6 +174,12 @@ class Learner:
             if self.supervisor.failed.is_set():
                 log.error("learner failed while starting: %s", self.supervisor.failure)
             return self.supervisor.exit_code()
+        except Exception as exc:  # anything else (a library's error, out of memory): said, not a traceback at exit
+            log.exception("learner failed while starting")
+            self.supervisor.fail("setup", f"{type(exc).__name__}: {exc}")
+            self.stop_event.set()
+            self.server.stop()
+            return self.supervisor.exit_code()
         self.server.set_ready()
         self.phase = "training"
         # a draining learner's last windows are queued whatever the coalescing bound
@@ -188,12 +194,16 @@ class Learner:
             # before it is flushed, and the process exits non-zero with the workload's error
             log.error("%s", exc)
             self.supervisor.fail("workload", str(exc))
-        except RuntimeError as exc:
-            if self.group.size == 1:
-                raise
-            # a collective failed: a rank of this learner's group is gone; the learner fails
-            # as a unit (its other ranks are ended by _finish) and a restart resumes it
-            self.supervisor.fail("group", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            # In a group, a collective that failed: a rank of this learner's group is gone; the
+            # learner fails as a unit (its other ranks are ended by _finish). Otherwise an error
+            # of training itself (out of memory, a device error). Either way the failure is
+            # recorded (metrics, the coordinator's Leave reason, the exit code) before the
+            # windows already trained are flushed; before, a one-process learner's error left
+            # as a clean drain and died by traceback. A restart resumes from acknowledged work.
+            where = "group" if self.group.size > 1 and isinstance(exc, RuntimeError) else "train"
+            log.exception("training failed (%s)", where)
+            self.supervisor.fail(where, f"{type(exc).__name__}: {exc}")
         finally:
             self._finish()
         return self.supervisor.exit_code()
@@ -418,7 +428,10 @@ class Learner:
         for f, pulled in enumerate(copies):
             self._fold(f, pulled)
         if self.ranks > 1:
-            self.group = Group(self.ranks, self.device, self.options.threads)
+            try:
+                self.group = Group(self.ranks, self.device, self.options.threads, stop=self.drain)
+            except GroupFailed as exc:
+                raise LearnerFailure(str(exc)) from None
             setup = {"config": cfg.to_json(), "shard": self.shard_index, "batch_index": self.batch_index,
                      "batch_size": self.options.batch_size, "schedule_step": self.schedule_offset,
                      "adam_step": self.adam_step_restored}
@@ -468,6 +481,10 @@ class Learner:
         if self.options.state_dir is None:
             return
         path = inner_state.path_for(self.options.state_dir, self.learner_id)
+        # what an earlier process of this id left mid-write (killed, or its last write given
+        # up at exit): a copy of every moment, never read, never removed otherwise
+        for gone in durable.remove_temporaries_of(path):
+            log.info("removed %s, an unfinished write of an earlier process", gone.name)
         self.keeper = inner_state.Keeper(path, on_unsaved=lambda exc: self.metrics.event(
             "inner_state_unsaved", learner=self.learner_id, error=str(exc)))
         restored = inner_state.restore(path, self.config.run_id, self.learner_id, self.names, self.params,
@@ -571,6 +588,12 @@ class Learner:
         for f in range(nfrag):
             if win_steps[f]:
                 self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
+        if self.keeper is not None and step % self.inner_steps:
+            # the state where training stopped, which the flush above makes where the shard
+            # resumes: a run resumed with --resume goes on with the moments and schedule step
+            # of its last step, not of its last multiple of H
+            self.keeper.offer(inner_state.snapshot(self.config.run_id, self.learner_id, self.names, self.params,
+                                                   self.optimizer, self.schedule_offset + step))
         self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
