@@ -130,6 +130,12 @@ def test_a_group_stopped_by_a_signal_to_its_learners_process_group_drains_cleanl
     assert not [e for e in events(cluster.out, "learner_failed") if e["learner"] == 0]
     log = learner.log_path.read_text()
     assert "RuntimeError" not in log and "Traceback" not in log
+    # the moments kept are those of its last step (a group step: 2 ranks x 32 samples), not
+    # of its last multiple of H (before: up to H - 1 steps older than where the shard resumes)
+    from ddiloco.learner import inner_state
+
+    meta, _ = inner_state._read(inner_state.path_for(cluster.out / "learner-state", 0))
+    assert int(meta["schedule_step"]) == stop["tokens"] // 64, (meta["schedule_step"], stop["tokens"])
 
 
 def test_a_group_whose_rank_exits_before_it_joins_fails_at_once_with_its_exit_code(monkeypatch):
