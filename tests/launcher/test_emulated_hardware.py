@@ -64,6 +64,8 @@ def _refused(capsys, *argv: str) -> str:
     (["--step-seconds", "10"], "must be below the run's lease (10.0 s)"),
     (["--slow", "0:0.5"], "slowdown must be a finite factor >= 1"),
     (["--slow", "2:3"], "--slow names learner 2, but the run's learners are 0 to 1"),
+    (["--slow", "0:2:3"], "--slow expects ID:FACTOR, got '0:2:3'"),
+    (["--slow", "0:2", "--slow", "0:5"], "--slow names learner 0 twice (2 and 5)"),
 ])
 def test_settings_no_hardware_has_are_refused_before_anything_starts(capsys, tmp_path, argv, message):
     line = _refused(capsys, "--out", str(tmp_path / "run"), *argv)

@@ -183,11 +183,14 @@ def test_a_rank_whose_learner_is_already_gone_when_it_starts_exits(tmp_path):
     """The learner's pid is given to the rank: read by the rank itself after its seconds of
     start-up, it would be init's if the learner had died meanwhile, and the rank would live
     on, waiting in the rendezvous."""
+    import ddiloco
+
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    services = str(pathlib.Path(ddiloco.__file__).parents[1])  # this tree's code, not an installed copy
     proc = subprocess.run(
         [sys.executable, "-m", "ddiloco.learner.rank", "--rank", "1", "--world", "2", "--init", "tcp://127.0.0.1:9",
          "--parent", str(dead.pid)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": services},
     )
     assert proc.returncode == 1, proc.stderr[-2000:]

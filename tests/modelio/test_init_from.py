@@ -109,3 +109,21 @@ def test_ddiloco_run_with_a_missing_source_is_one_error_line_and_creates_nothing
     err = capsys.readouterr().err.strip()
     assert err.startswith("ddiloco run: error: --init-from: ") and "\n" not in err
     assert not out.exists()
+
+
+def test_a_saved_configuration_whose_warm_start_is_gone_names_it_and_says_where_it_goes(tmp_path, capsys):
+    """``--resume`` (or ``--config``) reads a configuration that starts the run from a source
+    no longer there: the error names the path the services read again, not a flag the user
+    did not give (and ``--resume`` forbids)."""
+    from ddiloco.cli import main
+    from ddiloco.common.config import RunConfig
+
+    cfg = RunConfig(learners=2)
+    cfg.model = MODEL_PRESETS["tiny"]
+    cfg.init_from = str(tmp_path / "moved-away")
+    saved = tmp_path / "config.json"
+    saved.write_text(cfg.to_json())
+    assert main(["run", "--config", str(saved), "--out", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ddiloco run: error: the run's configuration starts it from --init-from {tmp_path / 'moved-away'}")
+    assert "--resume included" in err and "put it back at that path" in err and "\n" not in err

@@ -149,6 +149,11 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         try:
             check_matches(load(pathlib.Path(cfg.init_from)), cfg)
         except SourceError as exc:
+            if getattr(args, "init_from", None) is None:  # from the run's saved configuration
+                raise SystemExit(
+                    f"the run's configuration starts it from --init-from {cfg.init_from}, which its services "
+                    f"read again whenever they start, --resume included: {exc}; put it back at that path"
+                ) from None
             raise SystemExit(f"--init-from: {exc}") from None
     return cfg
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import sys
 import time
 
@@ -109,9 +110,15 @@ def main(args: argparse.Namespace) -> int:
     for item in args.slow:
         try:
             lid, factor = item.split(":")
-            slow[int(lid)] = float(factor)
+            lid_n, factor_f = int(lid), float(factor)
         except ValueError:
-            raise SystemExit(f"--slow expects ID:FACTOR, got {item!r}")
+            print(f"ddiloco run: error: --slow expects ID:FACTOR, got {item!r}", file=sys.stderr)
+            return 2
+        if lid_n in slow:
+            print(f"ddiloco run: error: --slow names learner {lid_n} twice ({slow[lid_n]:g} and {factor_f:g})",
+                  file=sys.stderr)
+            return 2
+        slow[lid_n] = factor_f
     unknown = sorted(i for i in slow if not 0 <= i < learners)
     if unknown:
         print(f"ddiloco run: error: --slow names learner {unknown[0]}, but the run's learners are 0 to {learners - 1}",
@@ -136,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
         monitoring=not args.no_monitoring,
         insecure=args.insecure,
         topology=TopologyOptions(args.topology, args.wan_profile, args.wan_qdisc),
+        drain_timeout_s=config.drain_timeout_s,
     )
     try:
         options.topology.validate()  # bad names fail here, before anything starts
@@ -163,7 +171,9 @@ def main(args: argparse.Namespace) -> int:
     if result.report is None and (out / "config.json").exists():
         print(f"the run stopped before its budget; continue it with: ddiloco run --resume {out}", file=sys.stderr)
     if result.interrupted:
-        return 130  # the shell's code for a command ended by Ctrl-C
+        # the shell's code for a command ended by that signal: 130 for Ctrl-C, 143 for SIGTERM
+        signum = getattr(signal, result.signal_name or "SIGINT", signal.SIGINT)
+        return 128 + int(signum)
     return 0 if result.ok else 1
 
 

@@ -37,6 +37,16 @@ class LaunchOptions:
     # no TLS: every service plaintext and unauthenticated. Default: a fresh CA and a
     # certificate per service in RUN/tls (kept on --resume), mutual TLS on every call
     insecure: bool = False
+    # the run's RunConfig.drain_timeout_s: a stopping learner flushes its trained windows for
+    # up to half of it, and the services are given that long before they are killed
+    drain_timeout_s: float = 60.0
+
+    @property
+    def stop_grace_s(self) -> float:
+        """Seconds a service has to stop after SIGTERM: a learner's flush (half the drain
+        timeout) and its Leave, or 10 s. Before, 10 s: on a slow link a learner was killed
+        mid-flush and the windows it was sending were trained again on --resume."""
+        return max(10.0, self.drain_timeout_s / 2 + 5.0)
 
 
 @dataclass
@@ -45,6 +55,7 @@ class LaunchResult:
     failures: dict[str, int]
     out: pathlib.Path
     interrupted: bool = False
+    signal_name: str | None = None  # the first stop signal's name, when interrupted
 
     @property
     def ok(self) -> bool:
@@ -130,12 +141,12 @@ def launch(options: LaunchOptions) -> LaunchResult:
             print(f"\ninterrupted ({signals.received or 'a signal'}): stopping services", file=sys.stderr)
         finally:
             signals.stopping()  # a second signal must not cut the orderly stop short
-            cluster.stop_all()
+            cluster.stop_all(grace=options.stop_grace_s)
         report_path = options.out / "report.json"
         report = json.loads(report_path.read_text()) if report_path.exists() else None
         topology.finish(options.out, report)
     failures = {p.name: p.returncode() for p in cluster.failed()}
-    return LaunchResult(report, failures, options.out, interrupted)
+    return LaunchResult(report, failures, options.out, interrupted, signals.received if interrupted else None)
 
 
 def pacing_flags(options: LaunchOptions, learner: int) -> list[str]:
