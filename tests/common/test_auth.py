@@ -109,6 +109,100 @@ def test_a_deny_list_that_turns_malformed_keeps_the_previous_one(ca):
         a.check(ctx(ca / "learner-1"), "Read")
 
 
+def revoked(a: auth.Authorizer, folder) -> bool:
+    try:
+        a.check(ctx(folder), "Read")
+    except errors.Unauthenticated:
+        return True
+    return False
+
+
+def deny_errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == auth.__name__ and r.levelname == "ERROR"]
+
+
+def test_a_deny_list_that_goes_missing_keeps_its_revocations_and_says_so_once(ca, caplog):
+    """A deny list renamed away, deleted or unreadable was read as an empty list: every
+    revoked certificate was let back in. The list in force stays, and the episode is logged
+    once, not at every reload."""
+    clock = Clock()
+    a = authorizer(ca, clock)
+    revoke(ca, name="learner-1")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1")
+    (ca / "revoked.txt").rename(ca / "revoked.moved")
+    for _ in range(3):
+        clock.t += auth.DENY_RELOAD_S
+        assert revoked(a, ca / "learner-1")
+    assert len(deny_errors(caplog)) == 1 and "cannot read it" in deny_errors(caplog)[0]
+    (ca / "revoked.moved").rename(ca / "revoked.txt")
+    revoke(ca, name="learner-0")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-0") and revoked(a, ca / "learner-1")
+    (ca / "revoked.txt").unlink()  # a new episode is logged again
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1") and len(deny_errors(caplog)) == 2
+
+
+def test_a_serial_cut_off_mid_line_never_replaces_the_list(ca, caplog):
+    """A serial written half way is still hexadecimal (of another serial): a last line
+    without its newline is a write in progress, and the whole file waits for it."""
+    clock = Clock()
+    a = authorizer(ca, clock)
+    revoke(ca, name="learner-1")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1")
+    line = f"{x509.load_pem_x509_certificate((ca / 'learner-0' / 'tls.crt').read_bytes()).serial_number:x}\n"
+    with open(ca / "revoked.txt", "a") as f:
+        f.write(line[:7])
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1") and not revoked(a, ca / "learner-0")
+    assert "does not end with a newline" in deny_errors(caplog)[0]
+    with open(ca / "revoked.txt", "a") as f:
+        f.write(line[7:])
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1") and revoked(a, ca / "learner-0")
+
+
+def test_an_empty_file_keeps_the_list_and_a_comment_line_lifts_every_revocation(ca):
+    """0 bytes is what a writer that truncates before writing leaves for a moment; an
+    operator who lifts every revocation writes a file of no serial but a comment (as
+    ``certs init`` does), which takes effect once it has stayed unchanged for a reload."""
+    clock = Clock()
+    a = authorizer(ca, clock)
+    revoke(ca, name="learner-1")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1")
+    (ca / "revoked.txt").write_text("")
+    for _ in range(2):
+        clock.t += auth.DENY_RELOAD_S
+        assert revoked(a, ca / "learner-1")
+    (ca / "revoked.txt").write_text("# nothing revoked\n")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-1")  # seen once: it may be a rewrite in progress
+    clock.t += auth.DENY_RELOAD_S
+    assert not revoked(a, ca / "learner-1")
+
+
+def test_a_rewrite_seen_half_done_at_a_line_lifts_nothing(ca):
+    """A rewrite in place (truncate, then write) can be read as a prefix of the new file
+    that ends at a line: the serials it lacks stay revoked unless the file stays so."""
+    clock = Clock()
+    a = authorizer(ca, clock)
+    revoke(ca, name="learner-1")
+    revoke(ca, name="learner-0")
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-0") and revoked(a, ca / "learner-1")
+    whole = (ca / "revoked.txt").read_text()
+    (ca / "revoked.txt").write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 1])  # without learner-0's line
+    clock.t += auth.DENY_RELOAD_S
+    assert revoked(a, ca / "learner-0")
+    (ca / "revoked.txt").write_text(whole + "# edited\n")  # the rewrite completes
+    for _ in range(2):
+        clock.t += auth.DENY_RELOAD_S
+        assert revoked(a, ca / "learner-0") and revoked(a, ca / "learner-1")
+
+
 def test_without_tls_every_call_is_admitted_and_nobody_is_known():
     assert auth.Authorizer(Security.insecure(), POLICY).check({}, "End") is None
 

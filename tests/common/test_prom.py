@@ -102,3 +102,76 @@ def test_the_receive_pool_families_show_what_the_pool_holds(monkeypatch):
     del held
     idle, _ = receive_pool_families("ddiloco_x_idle_bytes", "ddiloco_x_reused", ["learner"], ["3"])
     assert [s.value for s in idle.samples] == [float(2 << 20)]
+
+
+def closed_within(sock, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (sending nothing) within ``seconds``."""
+    import socket
+
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except (socket.timeout, BlockingIOError):  # nothing came: still open
+        return False
+
+
+def connect(port: int, source: str = "127.0.0.1"):
+    import socket
+
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout():
+    """Connections that never send a request (or stop half way through one) each held a
+    thread and a file descriptor for ever, until the process could open no file."""
+    from ddiloco.common.prom import Exporter, HTTPBounds
+
+    exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=0.2))
+    try:
+        silent, halfway = connect(exporter.port), connect(exporter.port)
+        halfway.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        assert closed_within(silent, 5) and closed_within(halfway, 5)
+        assert urllib.request.urlopen(exporter.url, timeout=5).status == 200
+    finally:
+        exporter.close()
+
+
+def test_connections_over_a_clients_share_are_closed_at_once_and_others_are_still_answered():
+    """``max_per_peer`` bounds one client address (idle connections of it over the bound are
+    closed as they are accepted); another client's scrape is answered meanwhile."""
+    import http.client
+
+    from ddiloco.common.prom import Exporter, HTTPBounds
+
+    exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=60, max_connections=4, max_per_peer=2))
+    held = []
+    try:
+        held = [connect(exporter.port) for _ in range(2)]  # accepted, idle, in this order
+        over = connect(exporter.port)
+        assert closed_within(over, 5)
+        scrape = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5, source_address=("127.0.0.2", 0))
+        scrape.request("GET", "/metrics")
+        assert scrape.getresponse().status == 200
+        scrape.close()
+    finally:
+        for s in held:
+            s.close()
+        exporter.close()
+
+
+def test_connections_over_the_total_are_closed_at_once():
+    from ddiloco.common.prom import Exporter, HTTPBounds
+
+    exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=60, max_connections=3, max_per_peer=2))
+    held = []
+    try:
+        held = [connect(exporter.port), connect(exporter.port), connect(exporter.port, "127.0.0.2")]
+        over = connect(exporter.port, "127.0.0.3")  # a client of its own, over the total
+        assert closed_within(over, 5)
+        assert not closed_within(held[2], 0)  # the ones within the bound stay open
+    finally:
+        for s in held:
+            s.close()
+        exporter.close()

@@ -66,3 +66,27 @@ def test_a_learners_own_figures_cannot_put_a_number_json_cannot_read_on_the_page
     view = status_data.build(members.config, members, RunWatch(members, 1, run_dir=None))
     json.dumps(view, allow_nan=False)
     assert view["members"][0]["compute_utilization"] == 1.0
+
+
+def test_a_figure_that_is_not_a_number_is_null_and_the_view_is_strict_json():
+    """A workload without an accuracy metric evaluates to an accuracy of NaN, and a learner
+    reports its own loss: ``json.dumps`` would write ``NaN``, which ``JSON.parse`` refuses
+    (the page stopped for everyone). Every non-finite figure of the view is null instead."""
+    import json
+    import math
+
+    from ddiloco.common.config import RunConfig
+    from ddiloco.coordinator import status_data
+    from ddiloco.coordinator.membership import Membership
+    from ddiloco.coordinator.watch import RunWatch
+    from ddiloco.v1 import outer_pb2
+
+    members = Membership(RunConfig(learners=1), state_path=None, clock=lambda: 100.0)
+    members.members[0] = MemberRecord(learner_id=0, shard_index=0, incarnation=1, last_heartbeat=99.0,
+                                      stats={"inner_steps": 1, "last_loss": math.inf})
+    watch = RunWatch(members, 1, run_dir=None)
+    watch.outer = outer_pb2.OuterStatus(version=2, last_eval_loss=3.5, last_eval_accuracy=math.nan, last_eval_version=2)
+    view = json.loads(json.dumps(status_data.build(members.config, members, watch), allow_nan=False))
+    assert view["outer"]["eval_accuracy"] is None
+    assert view["outer"]["eval_loss"] == 3.5
+    assert view["members"][0]["train_loss"] is None

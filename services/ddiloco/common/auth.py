@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from ddiloco.common.certs import CertError, Identity, read_deny_list
+from ddiloco.common.certs import CertError, Identity, parse_deny_list
 from ddiloco.common.errors import PermissionDenied, Unauthenticated
 from ddiloco.common.security import Security
 
@@ -43,15 +43,30 @@ DENY_RELOAD_S = 1.0  # how stale the deny list may be: far below any lease
 
 class DenyList:
     """Revoked serial numbers from a file, re-read when it changes (checked at most every
-    ``DENY_RELOAD_S``), so ``ddiloco certs revoke`` takes effect while the service runs. A
-    file that cannot be parsed keeps the last good list and is reported: a half-edited file
-    must not un-revoke anyone."""
+    ``DENY_RELOAD_S``), so ``ddiloco certs revoke`` takes effect while the service runs.
+
+    What is read replaces the list in force only when it is a whole, well-formed list:
+    revocation fails closed, a file caught in a bad state must not let anyone back in.
+
+    * A file that cannot be opened or read (missing, renamed away, unreadable), or that is
+      malformed (a line that is no serial, a last line cut off before its newline:
+      ``certs.read_deny_list``), keeps the list in force. It is logged once per episode (at
+      the first failure, and again only after the file has been read well in between).
+    * An empty file (0 bytes) keeps the list in force: it is what a writer that truncates
+      the file before writing it leaves for a moment. To lift every revocation, write a
+      file that holds no serial but a comment line (what ``ddiloco certs init`` writes).
+    * A list that lifts revocations (holds fewer of the serials in force) takes effect only
+      once the file has stayed unchanged for ``DENY_RELOAD_S``: a rewrite in progress can
+      show a prefix of the new file that ends at a line; new revocations take effect at once.
+    """
 
     def __init__(self, path: pathlib.Path | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.clock = clock
         self._serials: frozenset[int] = frozenset()
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None  # of the file the list in force was read from
+        self._lifting: tuple[tuple[int, int, int], frozenset[int], float] | None = None  # (stamp, serials, seen at)
+        self._trouble = False  # an episode of unreadable or malformed files is logged once
         self._checked = -float("inf")
         self._lock = threading.Lock()
         self.reload()
@@ -60,21 +75,47 @@ class DenyList:
         if self.path is None:
             return
         try:
-            st = os.stat(self.path)
-        except OSError:
-            stamp = None
-        else:
-            stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._stamp:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())  # of the file read, even if the name moves meanwhile
+                stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+                if stamp == self._stamp or (self._lifting is not None and stamp == self._lifting[0]):
+                    data = None  # read already
+                else:
+                    data = f.read()
+        except OSError as exc:
+            self._troubled(f"cannot read it ({exc.strerror or exc})")
+            return
+        if data is None:
+            if self._lifting is not None and stamp == self._lifting[0] and self.clock() - self._lifting[2] >= DENY_RELOAD_S:
+                self._apply(self._lifting[1], stamp)
             return
         try:
-            serials = read_deny_list(self.path) if stamp is not None else frozenset()
-        except (CertError, OSError) as exc:
-            log.error("deny list not reloaded, the previous one stays in force: %s", exc)
+            serials = parse_deny_list(data, str(self.path))
+        except CertError as exc:
+            self._troubled(str(exc))
             return
+        if not data and self._serials:
+            self._troubled("it is empty (0 bytes; to lift every revocation, write a comment line)")
+            return
+        if self._trouble:
+            log.info("deny list %s read again", self.path)
+            self._trouble = False
+        if self._serials <= serials:
+            self._apply(serials, stamp)
+        else:
+            self._lifting = (stamp, serials, self.clock())
+            log.info("deny list %s lifts %d revocation(s) once it stays unchanged for %.0f s",
+                     self.path, len(self._serials - serials), DENY_RELOAD_S)
+
+    def _apply(self, serials: frozenset[int], stamp: tuple[int, int, int]) -> None:
         if serials != self._serials:
             log.info("deny list %s: %d revoked certificate(s)", self.path, len(serials))
-        self._serials, self._stamp = serials, stamp
+        self._serials, self._stamp, self._lifting = serials, stamp, None
+
+    def _troubled(self, why: str) -> None:
+        if not self._trouble:
+            self._trouble = True
+            log.error("deny list %s: %s; the %d revocation(s) in force stay in force", self.path, why, len(self._serials))
 
     def __contains__(self, serial: int) -> bool:
         with self._lock:

@@ -42,12 +42,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ddiloco.common.durable import fsync_dir, temporary_name
+
 ROLES = ("coordinator", "outer", "learner", "operator")
 LEARNER_URI = "urn:ddiloco:learner:"
 ROLE_DOMAIN = "ddiloco"  # a service of role R presents the DNS name R.ddiloco
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 DEFAULT_DAYS = 365
 CA_DAYS = 3650
+MAX_DAYS = CA_DAYS  # a certificate is of no use past the run CA's own lifetime
+# a DNS label (underscores too: Docker's service names have them)
+HOST_LABEL_RE = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
 
 
 class CertError(Exception):
@@ -109,19 +114,47 @@ def load_cert(path: pathlib.Path) -> x509.Certificate:
 
 
 # ------------------------------------------------------------------ writing
-def _write_private(path: pathlib.Path, data: bytes) -> None:
-    """Create ``path`` readable by its owner only, from the first byte (no window in which
-    another user could open it)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+PRIVATE, PUBLIC = 0o600, 0o644
 
 
-def _write_public(path: pathlib.Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _stage(path: pathlib.Path, data: bytes, mode: int) -> pathlib.Path:
+    """``data`` in a new temporary file beside ``path``, created with ``mode`` (so a key is
+    readable by its owner only from the first byte) and fsynced; returns its name."""
+    tmp = temporary_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CertError(f"cannot write {path}: {exc.strerror or exc}; nothing was replaced") from None
+    return tmp
+
+
+def _write_files(files: list[tuple[pathlib.Path, bytes, int]]) -> None:
+    """Replace ``files`` (path, content, mode), all of them or none.
+
+    Each is written whole to a temporary first; only once every one is on disk are they
+    renamed over the old ones, in the order given (a private key before its certificate).
+    Why: writing in place (deleting the old key, then writing the new one) lost the only key
+    of an identity when the write failed (a full disk), and a key replaced without its
+    certificate leaves a pair that does not load. The failures that happen in practice
+    happen while writing, before anything is replaced; a rename needs no space."""
+    staged: list[tuple[pathlib.Path, pathlib.Path]] = []
+    try:
+        for path, data, mode in files:
+            staged.append((_stage(path, data, mode), path))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        for folder in {path.parent for _, path in staged}:
+            fsync_dir(folder)
+    except OSError as exc:
+        raise CertError(f"cannot write {', '.join(str(p) for _, p in staged)}: {exc.strerror or exc}") from None
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)  # gone once renamed; a failed write's own is removed by _stage
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -160,8 +193,7 @@ def init_ca(folder: pathlib.Path, name: str = "ddiloco run CA", days: int = CA_D
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write_private(folder / "ca.key", _key_pem(key))
-    _write_public(folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM))
+    _write_files([(folder / "ca.key", _key_pem(key), PRIVATE), (folder / "ca.crt", cert.public_bytes(serialization.Encoding.PEM), PUBLIC)])
     _deny_list_header(folder / "revoked.txt")
     return folder / "ca.crt"
 
@@ -170,6 +202,30 @@ def _deny_list_header(path: pathlib.Path) -> None:
     """An empty deny list starts with a comment: never 0 bytes (a Swarm secret cannot be)."""
     if not path.exists() or path.stat().st_size == 0:
         path.write_text("# revoked certificate serial numbers (hex), one per line: `ddiloco certs revoke`\n")
+
+
+def certified_host(host: str) -> x509.GeneralName:
+    """What ``--host`` certifies: an IP address, or a DNS name, an internationalized one as
+    its ASCII (IDNA) form (``bücher.example`` -> ``xn--bcher-kva.example``, the name DNS
+    and TLS compare); ``CertError`` saying why for anything else."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        name = host.encode("idna").decode("ascii").lower()
+        # Python's codec is IDNA 2003, which maps a few characters (ß, ς) where IDNA 2008,
+        # what DNS uses now, keeps them: a name it cannot give back as written is ambiguous
+        if not host.isascii() and name.encode("ascii").decode("idna") != host.lower():
+            raise CertError(f"--host {host!r}: its ASCII form is ambiguous ({name!r} in IDNA 2003, another in "
+                            "IDNA 2008): give the xn-- form")
+    except UnicodeError:
+        name = ""
+    name = name.removesuffix(".")  # a certificate names hosts without DNS's root dot
+    if not name or len(name) > 253 or not all(HOST_LABEL_RE.match(label) for label in name.split(".")):
+        raise CertError(f"--host {host!r}: not an IP address or a DNS name (labels of 1 to 63 letters, digits, "
+                        "'-' and '_', not starting or ending with '-', at most 253 characters in all)")
+    return x509.DNSName(name)
 
 
 def learner_id_from_name(name: str) -> int | None:
@@ -192,6 +248,8 @@ def issue(
     certificate's serial if its key may have leaked."""
     if role not in ROLES:
         raise CertError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    if not 1 <= days <= MAX_DAYS:
+        raise CertError(f"--days must be 1 to {MAX_DAYS} (the run CA's own lifetime), got {days}")
     if not NAME_RE.match(name):
         raise CertError(f"name {name!r}: use 1 to 63 lower-case letters, digits and '-' (it is a folder and a DNS name)")
     if role == "learner":
@@ -211,11 +269,7 @@ def issue(
     key = ec.generate_private_key(ec.SECP256R1())
     alt: list[x509.GeneralName] = [x509.DNSName(role_host(role)), x509.DNSName(name), x509.DNSName("localhost"),
                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    for host in hosts:
-        try:
-            alt.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            alt.append(x509.DNSName(host))
+    alt += [certified_host(host) for host in hosts]
     if learner_id is not None:
         alt.append(x509.UniformResourceIdentifier(f"{LEARNER_URI}{learner_id}"))
     start = valid_from or (_now() - datetime.timedelta(minutes=5))  # tolerate small clock skew
@@ -236,9 +290,8 @@ def issue(
     )
     out = folder / name
     out.mkdir(exist_ok=True)
-    _write_private(out / "tls.key", _key_pem(key))
-    _write_public(out / "tls.crt", cert.public_bytes(serialization.Encoding.PEM))
-    _write_public(out / "ca.crt", ca_cert_path.read_bytes())
+    _write_files([(out / "tls.key", _key_pem(key), PRIVATE), (out / "tls.crt", cert.public_bytes(serialization.Encoding.PEM), PUBLIC),
+                  (out / "ca.crt", ca_cert_path.read_bytes(), PUBLIC)])
     return out
 
 
@@ -261,16 +314,32 @@ def revoke(folder: pathlib.Path, name: str | None = None, serial: int | None = N
 
 def read_deny_list(path: pathlib.Path) -> frozenset[int]:
     """Serial numbers in hex, one per line; '#' starts a comment. A malformed line is an
-    error, never skipped: a typo must not silently let a revoked certificate back in."""
+    error, never skipped: a typo must not silently let a revoked certificate back in.
+    Every line ends with a newline, the last one too: a last line without one is taken for a
+    line still being written (a serial cut off mid-line is still valid hex, of another
+    serial), and is an error. An empty file (0 bytes) holds no serial."""
+    return parse_deny_list(path.read_bytes(), str(path))
+
+
+def parse_deny_list(data: bytes, where: str) -> frozenset[int]:
+    """``read_deny_list`` of a file's bytes; ``where`` names it in errors."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise CertError(f"{where}: not text ({exc.reason} at byte {exc.start})") from None
+    lines = text.split("\n")
+    if lines[-1]:
+        raise CertError(f"{where}:{len(lines)}: the last line does not end with a newline (cut off mid-write?): "
+                        f"{lines[-1].strip()[:80]!r}")
     serials = set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        text = line.split("#", 1)[0].strip().lower().removeprefix("0x")
-        if not text:
+    for n, line in enumerate(lines[:-1], 1):
+        entry = line.split("#", 1)[0].strip().lower().removeprefix("0x")
+        if not entry:
             continue
         try:
-            serials.add(int(text, 16))
+            serials.add(int(entry, 16))
         except ValueError:
-            raise CertError(f"{path}:{n}: not a hexadecimal serial number: {line.strip()!r}") from None
+            raise CertError(f"{where}:{n}: not a hexadecimal serial number: {line.strip()[:80]!r}") from None
     return frozenset(serials)
 
 
@@ -282,6 +351,8 @@ def setup_run(folder: pathlib.Path, learners: int, hosts: tuple[str, ...] = ()) 
     per shard, e.g. Compose's ``--scale``). What already exists is kept, so this is safe to
     repeat (a resumed run, a restarted Compose ``certs`` service); returns the names it
     issued now."""
+    for host in hosts:
+        certified_host(host)  # refused before anything is written
     if not (folder / "ca.crt").exists():
         init_ca(folder)
     _deny_list_header(folder / "revoked.txt")
@@ -304,13 +375,13 @@ def write_bundle(folder: pathlib.Path, names: list[str], out: pathlib.Path) -> p
     doc = {"ca": (folder / "ca.crt").read_text(), "identities": {
         name: {"cert": (folder / name / "tls.crt").read_text(), "key": (folder / name / "tls.key").read_text()} for name in names
     }}
-    _write_private(out, json.dumps(doc, sort_keys=True).encode())
+    _write_files([(out, json.dumps(doc, sort_keys=True).encode(), PRIVATE)])
     return out
 
 
 def unbundle(bundle: pathlib.Path, name: str, into: pathlib.Path) -> pathlib.Path:
     """Write identity ``name`` of a bundle as an identity folder ``into`` (ca.crt, tls.crt,
-    tls.key, the key 0600)."""
+    tls.key, the key 0600); ``into`` is made (mode 0700) if it does not exist."""
     import json
 
     try:
@@ -321,9 +392,14 @@ def unbundle(bundle: pathlib.Path, name: str, into: pathlib.Path) -> pathlib.Pat
         raise CertError(f"{bundle}: cannot read it: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError):
         raise CertError(f"{bundle}: holds no identity {name!r} (a bundle of `ddiloco certs setup`?)") from None
-    into.mkdir(parents=True, exist_ok=True)
-    os.chmod(into, 0o700)
-    _write_private(into / "tls.key", key.encode())
-    _write_public(into / "tls.crt", cert.encode())
-    _write_public(into / "ca.crt", ca.encode())
+    if not into.is_dir():
+        # a folder made here holds a key: its owner's only. A folder that exists (``--into .``)
+        # is the caller's, and keeps the mode they gave it.
+        try:
+            into.mkdir(parents=True, mode=0o700)
+            os.chmod(into, 0o700)  # mkdir's mode is cut by the umask
+        except OSError as exc:
+            raise CertError(f"--into {into}: cannot make the folder: {exc.strerror or exc}") from None
+    _write_files([(into / "tls.key", key.encode(), PRIVATE), (into / "tls.crt", cert.encode(), PUBLIC),
+                  (into / "ca.crt", ca.encode(), PUBLIC)])
     return into

@@ -19,6 +19,7 @@ import sys
 
 from ddiloco.common.certs import (
     DEFAULT_DAYS,
+    MAX_DAYS,
     ROLES,
     CertError,
     identity_of,
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--learner-id", type=int, default=None, help="a learner's id (default: the number in learner-<id>)")
     p.add_argument("--host", action="append", default=[], help="another DNS name or IP address to certify (repeatable)")
-    p.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity (default {DEFAULT_DAYS})")
+    p.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity, 1 to {MAX_DAYS} (default {DEFAULT_DAYS})")
     p = sub.add_parser("setup", help="CA and certificates of a whole run (coordinator, outer, operator, learners); keeps what exists")
     p.add_argument("dir", type=pathlib.Path)
     p.add_argument("--learners", type=int, required=True,
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("unbundle", help="write one identity of a learners.json bundle as an identity folder")
     p.add_argument("bundle", type=pathlib.Path)
     p.add_argument("--name", required=True)
-    p.add_argument("--into", type=pathlib.Path, required=True)
+    p.add_argument("--into", type=pathlib.Path, required=True,
+                   help="the identity folder to write; made with mode 0700 if missing (an existing one keeps its mode)")
     p = sub.add_parser("show", help="print the identity, serial and validity of an identity folder's certificate")
     p.add_argument("identity", type=pathlib.Path, help="DIR/NAME (or a tls.crt file)")
 
@@ -65,8 +67,6 @@ def main(args: argparse.Namespace) -> int:
         if args.action == "init":
             print(init_ca(args.dir))
         elif args.action == "issue":
-            if args.days < 1:
-                raise CertError(f"--days must be at least 1, got {args.days}")
             print(issue(args.dir, args.name, args.role, args.learner_id, tuple(args.host), args.days))
         elif args.action == "setup":
             if args.learners < 0:

@@ -8,11 +8,96 @@ has no observer, so an event costs exactly what it did before.
 from __future__ import annotations
 
 import logging
+import socket
+import sys
+import threading
+from dataclasses import dataclass
 from typing import Callable
 
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[str, dict], None]
+
+
+@dataclass(frozen=True)
+class HTTPBounds:
+    """What one client can hold of a plain-HTTP endpoint of ours (``/metrics``, the status
+    page): each connection holds a thread and a file descriptor until it ends, so without
+    bounds connections that never send a request pile up until the process runs out of file
+    descriptors, and then its state saves fail too.
+
+    ``idle_timeout_s``: a connection whose next read or write waits longer is closed (a
+    scrape or a page's poll sends its request at once, and reads its answer at once);
+    ``max_per_peer``: connections one client address may hold at once, so one client cannot
+    take them all; ``max_connections``: all clients together. A connection over a bound is
+    closed as soon as it is accepted, without an answer."""
+
+    idle_timeout_s: float = 10.0
+    max_connections: int = 32
+    max_per_peer: int = 8
+
+
+class BoundedConnections:
+    """Mixin for a ``socketserver.ThreadingMixIn`` HTTP server (put it first among the
+    bases): enforces its ``bounds`` (``HTTPBounds``), a keyword of the constructor."""
+
+    daemon_threads = True  # a connection in flight never holds up the process's exit
+    # connections the kernel queues until they are accepted (and, over a bound, closed):
+    # socketserver's 5 overflowed under a burst, and a client's connect then waited for its
+    # SYN to be sent again, seconds
+    request_queue_size = 128
+
+    def __init__(self, *args, bounds: HTTPBounds = HTTPBounds(), **kwargs) -> None:
+        self.bounds = bounds
+        self._open: dict[str, int] = {}  # connections held, by client address
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+
+    def process_request(self, request, client_address):
+        peer = client_address[0]
+        with self._open_lock:
+            held = self._open.get(peer, 0)
+            admitted = sum(self._open.values()) < self.bounds.max_connections and held < self.bounds.max_per_peer
+            if admitted:
+                self._open[peer] = held + 1
+        if not admitted:
+            log.debug("HTTP connection from %s closed: over the bounds %s", peer, self.bounds)
+            self.shutdown_request(request)
+            return
+        request.settimeout(self.bounds.idle_timeout_s)  # every read and write of the connection
+        try:
+            super().process_request(request, client_address)  # type: ignore[misc]
+        except BaseException:
+            self._release(peer)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            self._release(client_address[0])
+
+    def _release(self, peer: str) -> None:
+        with self._open_lock:
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return sum(self._open.values())
+
+    def handle_error(self, request, client_address):
+        # an idle client timed out, or went away: not an error of ours, no traceback
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            log.debug("HTTP connection from %s closed: %s", client_address[0], sys.exc_info()[1])
+            return
+        super().handle_error(request, client_address)  # type: ignore[misc]
+
+
+def family_of(host: str, port: int) -> socket.AddressFamily:
+    """IPv4 or IPv6, as ``host`` is (``::`` binds IPv6)."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
 
 
 def host_of(bind: str) -> str:
@@ -25,15 +110,30 @@ def host_of(bind: str) -> str:
 class Exporter:
     """A registry of this process's metrics, served over HTTP at ``/metrics``."""
 
-    def __init__(self, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, start_http_server
+    def __init__(self, host: str, port: int, bounds: HTTPBounds = HTTPBounds()) -> None:
+        from socketserver import ThreadingMixIn
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+        from prometheus_client import CollectorRegistry, ProcessCollector, disable_created_metrics, make_wsgi_app
 
         disable_created_metrics()  # no `_created` series: a sample per counter that says when the process started
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # CPU seconds, memory, open fds of this process
         self._handlers: list[EventHandler] = []
         self._failed: set[str] = set()
-        self.server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+        # prometheus_client's own start_http_server, with our bounds (it has none)
+        class Server(BoundedConnections, ThreadingMixIn, WSGIServer):
+            address_family = family_of(host, port)
+
+        class Handler(WSGIRequestHandler):
+            def log_message(self, format, *args):  # noqa: A002 -- a scrape every few seconds is noise
+                pass
+
+        self.server = Server((host, port), Handler, bounds=bounds)
+        self.server.set_app(make_wsgi_app(self.registry))
+        self._thread = threading.Thread(target=self.server.serve_forever, name="prometheus", daemon=True)
+        self._thread.start()
         self.host = host
         self.port = int(self.server.server_port)
 

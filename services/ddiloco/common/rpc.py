@@ -18,9 +18,9 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from ddiloco.common import errors
+from ddiloco.common import auth, errors
 from ddiloco.common.config_rules import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
 from ddiloco.common.security import Security
 
@@ -140,8 +140,137 @@ AMBIGUOUS = frozenset(
 )
 
 
+# The server's own services, health and reflection, answer every role of the run, and only
+# through the same authorization as the services' methods: a revoked certificate is
+# UNAUTHENTICATED here too, and a certificate of the CA naming no known role is refused.
+CHECK = f"{health.SERVICE_NAME}/Check"
+WATCH = f"{health.SERVICE_NAME}/Watch"
+REFLECT = f"{reflection.SERVICE_NAME}/ServerReflectionInfo"
+INTROSPECTION_POLICY: auth.Policy = {CHECK: auth.ANY, WATCH: auth.ANY, REFLECT: auth.ANY}
+
+# Long-lived streams of health and reflection one caller may hold open at once.
+STREAMS_PER_CALLER = 2
+
+
+def introspection_streams(max_workers: int) -> int:
+    """Long-lived health and reflection streams all callers together may hold open: a
+    quarter of a server's worker threads (at least 1)."""
+    return max(1, max_workers // 4)
+
+
+class StreamSlots:
+    """A count of the long-lived streams of a server's own services (reflection, health
+    Watch), per caller and in total; a stream over either bound is refused
+    (``ResourceExhausted``) rather than queued.
+
+    Why: the server's worker threads are one pool for every call. A reflection stream holds
+    one of them from its first message until the client closes it, idle or not (the thread
+    waits for its next request), so 16 idle reflection streams of one caller held every
+    thread of a coordinator and its learners' Register and Heartbeat queued until their
+    leases ran out. Bounding these streams keeps three quarters of the threads for the
+    services' own calls, and the bound per caller keeps one caller from taking even the
+    quarter from everyone else. (gRPC's ``maximum_concurrent_rpcs`` counts every call alike:
+    one caller's idle streams would still fill it, and the services' calls would be refused
+    instead of queued, the same outage.) Health Watch holds no thread (it is served
+    non-blocking), but it is an open stream all the same and shares the bound."""
+
+    def __init__(self, per_caller: int, total: int) -> None:
+        self.per_caller = per_caller
+        self.total = total
+        self._held: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    def acquire(self, caller: str) -> Callable[[], None]:
+        """Hold a slot for ``caller``, or raise ``ResourceExhausted``; returns the release
+        (idempotent)."""
+        with self._cond:
+            if self._held.get(caller, 0) >= self.per_caller:
+                raise errors.ResourceExhausted(
+                    f"{caller} already holds {self.per_caller} health/reflection streams open; close one first")
+            if sum(self._held.values()) >= self.total:
+                raise errors.ResourceExhausted(f"{self.total} health/reflection streams are open; try again later")
+            self._held[caller] = self._held.get(caller, 0) + 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._cond:
+                if released.is_set():
+                    return
+                released.set()
+                self._held[caller] -= 1
+                if not self._held[caller]:
+                    del self._held[caller]
+                self._cond.notify_all()
+
+        return release
+
+    def held(self) -> int:
+        with self._cond:
+            return sum(self._held.values())
+
+    def wait_held(self, count: int, timeout: float) -> bool:
+        """Wait until at most ``count`` streams are held (for tests and shutdown); False if
+        ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: sum(self._held.values()) <= count, timeout)
+
+
+def caller_of(ident: auth.Identity | None, context) -> str:
+    """Whom a call's streams are counted against: the certificate's name and role, or
+    without TLS (no identity) the peer's address without its port."""
+    if ident is not None:
+        return f"{ident.role} {ident.name!r}"
+    return context.peer().rsplit(":", 1)[0]
+
+
+class _Introspection:
+    """The admission of the calls of health and reflection (see ``INTROSPECTION_POLICY`` and
+    ``StreamSlots``)."""
+
+    def __init__(self, authorizer: auth.Authorizer, slots: StreamSlots) -> None:
+        self.auth = authorizer
+        self.slots = slots
+
+    def call(self, context, method: str) -> None:
+        with refusals_as_status(context):
+            self.auth.check(context.auth_context(), method)
+
+    def stream(self, context, method: str) -> None:
+        with refusals_as_status(context):
+            ident = self.auth.check(context.auth_context(), method)
+            release = self.slots.acquire(caller_of(ident, context))
+        if not context.add_callback(release):  # ended already
+            release()
+
+
+class _Health(health.HealthServicer):
+    def __init__(self, admit: _Introspection) -> None:
+        super().__init__(experimental_non_blocking=True)
+        self._admit = admit
+
+    def Check(self, request, context):  # noqa: N802 -- the gRPC method's name
+        self._admit.call(context, CHECK)
+        return super().Check(request, context)
+
+    def Watch(self, request, context, send_response_callback=None):  # noqa: N802
+        self._admit.stream(context, WATCH)
+        return super().Watch(request, context, send_response_callback)
+
+
+class _Reflection(reflection.ReflectionServicer):
+    def __init__(self, service_names: list[str], admit: _Introspection) -> None:
+        super().__init__(service_names)
+        self._admit = admit
+
+    def ServerReflectionInfo(self, request_iterator, context):  # noqa: N802
+        # not a generator itself: the refusal comes before the first request is waited for
+        self._admit.stream(context, REFLECT)
+        return super().ServerReflectionInfo(request_iterator, context)
+
+
 class Server:
-    """A gRPC server with grpc.health.v1 and reflection.
+    """A gRPC server with grpc.health.v1 and reflection, both authorized like the services'
+    own methods (``INTROSPECTION_POLICY``) and their streams bounded (``StreamSlots``).
 
     Health answers NOT_SERVING until ``set_ready()``, and again once shutdown starts, so an
     orchestrator never routes to a process that cannot serve yet or any more.
@@ -151,13 +280,15 @@ class Server:
         self, bind: str, service_names: Iterable[str], max_workers: int = 16, security: Security | None = None
     ) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
-        self._health = health.HealthServicer(experimental_non_blocking=True)
+        self.security = security or Security.insecure()
+        self.streams = StreamSlots(STREAMS_PER_CALLER, introspection_streams(max_workers))
+        admit = _Introspection(auth.Authorizer(self.security, INTROSPECTION_POLICY), self.streams)
+        self._health = _Health(admit)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.service_names = list(service_names)
-        reflection.enable_server_reflection(
-            self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            _Reflection(self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], admit), self._server
         )
-        self.security = security or Security.insecure()
         self.port = _add_port(self._server, bind, self.security)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {bind}")

@@ -4,6 +4,7 @@ the run configuration and ``RunWatch`` (the outer optimizer's status, the event 
 
 from __future__ import annotations
 
+import math
 import time
 
 from ddiloco.coordinator.membership import STATE_NAMES
@@ -89,7 +90,24 @@ def build(config, members, watch) -> dict:
         "events": [_summary(e, now) for e in reversed(recent)],
         "generated_t": now,
     }
-    return out
+    return _finite(out)
+
+
+def _finite(value):
+    """``value`` with every NaN and infinity in it, at any depth, made None (JSON's null).
+
+    Why: ``json.dumps`` writes them as ``NaN``/``Infinity``, which ``JSON.parse`` refuses,
+    and the page stops redrawing for everyone. They do occur: a workload without an accuracy
+    metric evaluates to an accuracy of NaN; a learner reports its own loss. A figure that is
+    not a number is shown as not known. (The Prometheus collector reads the same view; the
+    fields it exports are counts and bounded ratios, finite by construction.)"""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _outer(st) -> dict | None:

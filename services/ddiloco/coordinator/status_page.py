@@ -1,6 +1,9 @@
 """The coordinator's live status page over HTTP (``--status-port``): ``/`` the page, its
 script and style (served from this package: the page loads nothing from anywhere else), and
-``/status.json``, the view it redraws every 2 s (``status_data.build``)."""
+``/status.json``, the view it redraws every 2 s (``status_data.build``).
+
+Connections are bounded as ``/metrics``'s are (``ddiloco.common.prom.HTTPBounds``): idle
+ones are closed, and one client cannot hold more than its share."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import logging
 import pathlib
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ddiloco.common.prom import BoundedConnections, HTTPBounds, family_of
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +27,7 @@ FILES = {
 
 
 class StatusPage:
-    def __init__(self, host: str, port: int, view) -> None:
+    def __init__(self, host: str, port: int, view, bounds: HTTPBounds = HTTPBounds()) -> None:
         """``view()``: the current status as a JSON-ready dict."""
         assets = {path: ((STATIC / name).read_bytes(), ctype) for path, (name, ctype) in FILES.items()}
 
@@ -31,7 +36,9 @@ class StatusPage:
                 path = self.path.split("?", 1)[0]
                 if path == "/status.json":
                     try:
-                        body, ctype = json.dumps(view()).encode(), "application/json"
+                        # NaN or Infinity would be written as such, which JSON.parse refuses
+                        # (the page would stop): a view that holds one is an error here
+                        body, ctype = json.dumps(view(), allow_nan=False).encode(), "application/json"
                     except Exception:
                         log.exception("building the status view failed")
                         self.send_error(500, "building the status view failed; see the coordinator's log")
@@ -52,10 +59,12 @@ class StatusPage:
                 log.debug("status page: " + fmt, *args)
 
         try:
-            self.server = ThreadingHTTPServer((host, port), Handler)
+            class Server(BoundedConnections, ThreadingHTTPServer):
+                address_family = family_of(host, port)
+
+            self.server = Server((host, port), Handler, bounds=bounds)
         except OSError as exc:
             raise SystemExit(f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        self.server.daemon_threads = True
         self.host = host
         self.port = int(self.server.server_address[1])
         threading.Thread(target=self.server.serve_forever, name="status-page", daemon=True).start()

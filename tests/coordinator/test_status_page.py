@@ -1,0 +1,73 @@
+"""The coordinator's status page over a real HTTP socket: its view is strict JSON, and what
+one client can hold of it is bounded (``ddiloco.common.prom.HTTPBounds``): connections that
+send no request are closed after the idle timeout, connections over a client's share at
+once, while other clients are still answered."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.request
+
+import pytest
+
+from ddiloco.common.prom import HTTPBounds
+from ddiloco.coordinator.status_page import StatusPage
+
+
+def closed_within(sock, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (sending nothing) within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except (socket.timeout, BlockingIOError):  # nothing came: still open
+        return False
+
+
+def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+@pytest.fixture
+def page(request):
+    bounds = getattr(request, "param", HTTPBounds())
+    p = StatusPage("127.0.0.1", 0, lambda: {"members": [], "outer": None}, bounds)
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("page", [HTTPBounds(idle_timeout_s=0.2)], indirect=True)
+def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout(page):
+    silent, halfway = connect(page.port), connect(page.port)
+    halfway.sendall(b"GET /status.json HTTP/1.1\r\n")  # and never the rest
+    assert closed_within(silent, 5) and closed_within(halfway, 5)
+    assert json.load(urllib.request.urlopen(page.url + "status.json", timeout=5)) == {"members": [], "outer": None}
+
+
+@pytest.mark.parametrize("page", [HTTPBounds(idle_timeout_s=60, max_connections=4, max_per_peer=2)], indirect=True)
+def test_connections_over_a_clients_share_are_closed_at_once_and_the_page_still_answers(page):
+    held = [connect(page.port) for _ in range(2)]  # accepted, idle, in this order
+    try:
+        assert closed_within(connect(page.port), 5)
+        browser = http.client.HTTPConnection("127.0.0.1", page.port, timeout=5, source_address=("127.0.0.2", 0))
+        browser.request("GET", "/status.json")
+        assert browser.getresponse().status == 200
+        browser.close()
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_view_that_is_not_strict_json_is_an_error_not_a_page_that_stops():
+    """``NaN`` in the JSON is refused by the browser's ``JSON.parse``: the server answers 500
+    and logs why instead (``status_data`` makes every such figure null first)."""
+    p = StatusPage("127.0.0.1", 0, lambda: {"eval_accuracy": float("nan")})
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(p.url + "status.json", timeout=5)
+        assert err.value.code == 500
+    finally:
+        p.close()
