@@ -117,3 +117,54 @@ def test_a_paced_upload_arrives_in_pieces_on_schedule_and_is_merged(system):
     assert sum(waits) == pytest.approx(2.0 * starts[-1] / len(enc.payload))
     status = outer_pb2_grpc.OuterOptimizerStub(channel(cluster.outer_address)).GetStatus(outer_pb2.StatusRequest(), timeout=5)
     assert next(r for r in status.learners if r.learner_id == a).last_seq == 1
+
+
+def _unread_pulls(address: str, learner: int, n: int) -> list:
+    """``n`` unpaced downloads of ``learner`` that are never read, on a channel whose receive
+    windows stay small (no BDP probing, 16 KiB of lookahead): the fragment (445 kB) does not
+    fit them, so the server's send of each waits for a reader that never comes, holding its
+    thread, as a real caller holds it by never reading a download larger than its windows."""
+    slow = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)])
+    stub = outer_pb2_grpc.OuterOptimizerStub(slow)
+    req = outer_pb2.PullGlobalRequest(run_id=RUN, learner_id=learner, have_version=-1, fragment=0)
+    return [stub.PullGlobal(req, timeout=120) for _ in range(n)]
+
+
+def test_a_learner_holding_downloads_it_never_reads_is_refused_more_and_takes_nothing_from_the_others(system):
+    """One learner opens more unread downloads than the outer optimizer has threads (16 + 4
+    per learner): it holds two at a time, its puller's one and a retry's, and every further
+    one is RESOURCE_EXHAUSTED at once, saying why; the status and another learner's download
+    answer meanwhile (they used to wait for a thread until their deadlines). Once it drops its
+    downloads, it downloads again."""
+    from support import wait_until
+
+    from ddiloco.outer.service import MAX_PULL_STREAMS
+
+    cluster, (a, b), cfg = system
+    held = _unread_pulls(cluster.outer_address, a, MAX_PULL_STREAMS)
+    for stream in held:
+        stream.initial_metadata()  # the server is sending it: its slot is taken
+    extra = _unread_pulls(cluster.outer_address, a, 16 + 4 * cfg.learners + 1)
+    stub = outer_pb2_grpc.OuterOptimizerStub(channel(cluster.outer_address))
+    try:
+        assert stub.GetStatus(outer_pb2.StatusRequest(), timeout=10).ready
+        assert received(pull_stream(cluster.outer_address, b, 0, timeout=10))[0] == 1
+        for stream in extra:
+            assert stream.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, stream.code()
+            assert stream.details() == (
+                f"learner {a} already holds {MAX_PULL_STREAMS} downloads open: its downloads go one after "
+                "another; retry once one ends"
+            )
+        assert not any(stream.done() for stream in held)
+    finally:
+        for stream in held + extra:
+            stream.cancel()
+
+    def downloads() -> bool:
+        try:
+            return received(pull_stream(cluster.outer_address, a, 0, timeout=10))[0] == 1
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc  # until the cancels arrive
+            return False
+
+    wait_until(downloads, 30, "the learner's slots released")

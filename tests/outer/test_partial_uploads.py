@@ -70,8 +70,9 @@ def test_take_gives_only_exactly_what_the_offset_says():
     assert store.take(_header(offset=100)) is None
 
 
-def test_one_upload_per_learner_and_at_most_max_learners(monkeypatch):
-    store = PartialUploads(2, ttl_s=60)
+def test_one_upload_per_learner_and_at_most_max_learners():
+    now = [0.0]
+    store = PartialUploads(2, ttl_s=60, clock=lambda: now[0])
     store.keep(_header(learner=1, seq=1), bytearray(10))
     store.keep(_header(learner=1, seq=2), bytearray(20))  # a newer upload replaces it
     assert store.held(_header(learner=1, seq=1)) == 0 and store.held(_header(learner=1, seq=2)) == 20
@@ -80,8 +81,31 @@ def test_one_upload_per_learner_and_at_most_max_learners(monkeypatch):
     assert len(store) == 2 and store.held(_header(learner=1, seq=2)) == 0
     store.keep(_header(learner=4), bytearray())  # nothing arrived: nothing kept
     assert len(store) == 2
-    import ddiloco.outer.partial as partial
-
-    now = partial.time.monotonic()
-    monkeypatch.setattr(partial.time, "monotonic", lambda: now + 61)
+    now[0] = 61.0
     assert store.held(_header(learner=2)) == 0  # expired
+
+
+@pytest.mark.parametrize("call", ["keep", "held", "take"])
+def test_any_call_drops_every_expired_upload_not_only_its_own(call):
+    """Learners 1 and 2 broke an upload each and never came back; learner 3's upload broke
+    later. Once the first two are past the TTL, any call, whoever it is about, drops both of
+    them and keeps learner 3's (they used to stay until enough other uploads broke to push
+    them out of the store)."""
+    now = [0.0]
+    store = PartialUploads(8, ttl_s=60, clock=lambda: now[0])
+    store.keep(_header(learner=1), bytearray(1000))
+    store.keep(_header(learner=2), bytearray(1000))
+    now[0] = 30.0
+    store.keep(_header(learner=3), bytearray(1000))
+    now[0] = 61.0  # 1 and 2 expired, 3 not
+    assert len(store) == 3  # nothing drops them until a call
+    if call == "keep":
+        store.keep(_header(learner=4), bytearray(10))
+    elif call == "held":
+        assert store.held(_header(learner=4)) == 0
+    else:
+        assert store.take(_header(learner=4, offset=10)) is None
+    assert len(store) == (2 if call == "keep" else 1)
+    assert store.held(_header(learner=3)) == 1000
+    now[0] = 90.5  # 3 expired too
+    assert store.held(_header(learner=5)) == 0 and len(store) == (1 if call == "keep" else 0)

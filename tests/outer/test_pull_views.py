@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 import threading
+import tracemalloc
 
 import grpc
 import numpy as np
+import pytest
 
 from outer_helpers import Remote, register
 
@@ -184,7 +186,7 @@ def test_learners_holding_the_same_copy_share_one_encoded_answer_and_one_copy():
         answers = [shared.encode_for(learner, 0, version - 1, version, _arrays(version)) for learner in range(16)]
         assert all(enc is answers[0][0] and base == version - 1 for enc, base in answers)
     assert shared.encodes == 6 and shared.served == 16 * 2 + 16 * 4  # one per version for sixteen learners
-    copies = [shared._views[learner][0][7] for learner in range(16)]
+    copies = [shared._views[learner][0].copies[7] for learner in range(16)]
     assert all(c is copies[0] for c in copies)  # one copy in memory, not sixteen
 
     alone = DownloadViews("int4", 64, max_learners=32, initial=_version0)
@@ -199,7 +201,7 @@ def test_learners_holding_the_same_copy_share_one_encoded_answer_and_one_copy():
     enc99, base = shared.encode_for(99, 0, 7, 8, _arrays(8))
     enc0, _ = shared.encode_for(0, 0, 7, 8, _arrays(8))
     assert base == 7 and enc99 is not enc0 and bytes(enc99.payload) != bytes(enc0.payload)
-    assert shared._views[99][0][8] is not shared._views[0][0][8]
+    assert shared._views[99][0].copies[8] is not shared._views[0][0].copies[8]
 
 
 def test_a_full_fragment_is_encoded_once_per_version_for_every_learner_that_needs_it():
@@ -208,3 +210,61 @@ def test_a_full_fragment_is_encoded_once_per_version_for_every_learner_that_need
     assert views.encodes == 1 and all(enc is answers[0][0] and base == -1 for enc, base in answers)
     views.encode_for(0, 0, 5, 6, _arrays(6))
     assert views.encodes == 2
+
+
+def _large(seed: int, n: int = 1 << 18):
+    """One fragment of a 1 MiB tensor: big enough that a copy kept per call shows."""
+    return [("w", np.random.default_rng(seed).normal(size=n).astype(np.float32))]
+
+
+@pytest.mark.parametrize("arrived", ["in full", "as a change, then refined"])
+def test_asking_again_and_again_from_the_version_held_keeps_nothing_more_and_answers_no_change(arrived):
+    """A learner whose copy of the current version is as close as it gets (it came in full,
+    or as a change and the one refinement after it) asks for that version from that version
+    fifty more times: each answer is "no change" from that version, the outer optimizer
+    encodes it once and remembers nothing more (traced memory grows by less than one copy;
+    each pull used to keep a new copy and a new answer), and the learner, applying every
+    answer, holds exactly the copy the outer optimizer remembers for it, within the
+    quantizer's step of the global parameters (exactly them, in full)."""
+    from ddiloco.common import codec
+
+    views = DownloadViews("int8", 64, max_learners=4, initial=lambda f: [a for _, a in _large(0)])
+    now = _large(5)
+    if arrived == "in full":
+        enc, base = views.encode_for(1, 0, -1, 5, now)
+        copy = [a for _, a in codec.decode_encoded(enc)]
+    else:
+        enc, base = views.encode_for(1, 0, -1, 4, _large(4))
+        copy = [a for _, a in codec.decode_encoded(enc)]
+        for have in (4, 5):  # the change to version 5, then its refinement
+            enc, base = views.encode_for(1, 0, have, 5, now)
+            assert base == have
+            copy = [c + d for c, (_, d) in zip(copy, codec.decode_encoded(enc))]
+    encodes = views.encodes
+
+    answers = []
+
+    def again():
+        enc, base = views.encode_for(1, 0, 5, 5, now)
+        answers.append((base, len(enc.payload)))
+        for c, (_, d) in zip(copy, codec.decode_encoded(enc)):
+            c += d  # in place: the learner's own copy is not what is measured
+
+    again()  # the first "no change" (and the codec's first compile of it) before measuring
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(49):
+            again()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < now[0][1].nbytes, f"{grown / 2**20:.1f} MiB kept over 50 pulls of the version held"
+    assert all(base == 5 and size < 1000 for base, size in answers), answers[:2]  # no change, next to no bytes
+    assert views.encodes <= encodes + 1  # "no change" is encoded once, for every learner
+    held = views._views[1][0].copies[5]
+    assert all(np.array_equal(c, h) for c, h in zip(copy, held)), "the learner's copy left the one remembered"
+    if arrived == "in full":
+        np.testing.assert_array_equal(copy[0], now[0][1])
+    else:
+        np.testing.assert_allclose(copy[0], now[0][1], rtol=0, atol=float(np.abs(now[0][1] - _large(4)[0][1]).max()) / 127**2)

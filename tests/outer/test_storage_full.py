@@ -216,3 +216,63 @@ def test_a_merge_whose_record_cannot_be_written_applies_nothing_and_runs_once_th
     assert state.version == 1 and state.pending_count() == 0
     after = fingerprint(state)
     assert fingerprint(OuterState(cfg, tmp_path)) == after, "the restart does not rebuild the merged state"
+
+
+@needs_root
+def test_a_final_merge_on_a_full_disk_is_refused_as_resource_exhausted_and_done_once_there_is_room(tmp_path):
+    """Finalize's merge cannot write its record (the merge records' disk is full): Finalize
+    answers RESOURCE_EXHAUSTED naming the errno, as a push does for a full journal (it used
+    to be UNKNOWN: an exception out of the handler), merges nothing and keeps serving. The
+    coordinator asks again; once there is room the final merge holds the pending delta and
+    the run finishes."""
+    from support import TINY_RUN, wait_serving, wait_until
+
+    from ddiloco.common.metrics import read_events
+    from ddiloco.launcher.processes import Cluster
+    from ddiloco.v1 import outer_pb2
+
+    cluster = Cluster(tmp_path / "run")
+    disk = Tmpfs(tmp_path / "run" / "outer" / "merges", "64k")
+    try:
+        # a short budget, and leases that lapse fast: the learner ids below never heartbeat,
+        # so the run drains 6 s after they join and the coordinator finalizes it
+        cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "6", "--lease-timeout", "2", "--run-id", "fin-full"])
+        proc = cluster.start_outer()
+        wait_until(cluster.registered_outer, 120, "outer registration")
+        wait_serving(cluster.outer_address)
+        fd = os.open(disk.path / "filler", os.O_WRONLY | os.O_CREAT)  # no room left for any merge record
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        a, _ = (Remote(cluster.outer_address, "fin-full", i) for i in register(cluster.coordinator_address, 2))
+        a.push(seq=1)  # journaled (another disk); its merge cannot be recorded
+
+        def finalize_answer() -> grpc.RpcError | None:
+            try:
+                a.stub.Finalize(outer_pb2.FinalizeRequest(), timeout=30)
+            except grpc.RpcError as exc:
+                return None if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else exc  # running still
+            raise AssertionError("Finalize answered although no merge record can be written")
+
+        refused = wait_until(finalize_answer, 60, "the run to drain")
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refused.code(), refused.details())
+        assert "Errno 28" in refused.details() and "merges" in refused.details(), refused.details()
+        status = a.status()
+        assert (status.version, status.pending_deltas) == (0, 1)
+        assert proc.returncode() is None and not (cluster.out / "report.json").exists()
+
+        (disk.path / "filler").unlink()  # room again: the coordinator's next Finalize merges
+        # the event, not report.json: the coordinator writes the report first
+        finished = wait_until(
+            lambda: [e for e in read_events(cluster.out / "metrics.jsonl") if e["event"] == "finished"], 60,
+            "the coordinator to finalize the run",
+        )
+        assert [e["outer_steps"] for e in finished] == [1]
+        assert (cluster.out / "report.json").exists()
+    finally:
+        cluster.stop_all(grace=10)
+        disk.unmount()

@@ -1,9 +1,10 @@
 """The grace window: the fastest learner's window less what must still happen after the
-merge closes (upload already spent, merge, download) and its window-length jitter."""
+merge closes (its upload already spent, the merge, its download) and its window-length
+jitter. Times are passed in: nothing here reads a clock."""
 
 import pytest
 
-from ddiloco.outer.timing import SyncTiming
+from ddiloco.outer.timing import TRANSFERS_KEPT, SyncTiming
 
 
 def timing(alpha: float = 1.0) -> SyncTiming:
@@ -14,7 +15,7 @@ def timing(alpha: float = 1.0) -> SyncTiming:
 def test_no_window_until_a_step_time_is_known():
     t = timing()
     t.observe_merge(0.01)
-    t.observe_pull(0.02)
+    t.observe_pull(0.02, learner=0)
     assert t.grace_s(overlap_steps=20, gamma=1.0, cap=10.0) == 0.0
 
 
@@ -22,7 +23,7 @@ def test_window_is_the_slack_left_after_upload_merge_and_download():
     t = timing()
     t.observe_push(0.03, learner=0, compute_seconds=0.5, inner_steps=20)  # 25 ms / step
     t.observe_merge(0.01)
-    t.observe_pull(0.02)
+    t.observe_pull(0.02, learner=0)
     assert t.grace_s(20, 1.0, 10.0) == pytest.approx(0.5 - (0.03 + 0.01 + 0.02))
     assert t.grace_s(20, 0.5, 10.0) == pytest.approx(0.5 * (0.5 - 0.06))
     assert t.grace_s(10, 1.0, 10.0) == pytest.approx(0.25 - 0.06)  # overlap shorter than H
@@ -47,10 +48,9 @@ def test_window_length_jitter_is_kept_free():
 
 def test_cap_and_floor():
     t = timing()
-    t.observe_push(0.0, learner=0, compute_seconds=20.0, inner_steps=20)
+    t.observe_push(5.0, learner=0, compute_seconds=20.0, inner_steps=20)
     assert t.grace_s(20, 1.0, cap=3.0) == 3.0
-    t.observe_push(5.0, learner=0, compute_seconds=20.0, inner_steps=20)  # upload longer than the window
-    assert t.grace_s(1, 1.0, cap=3.0) == 0.0
+    assert t.grace_s(1, 1.0, cap=3.0) == 0.0  # an upload longer than the window
 
 
 def test_a_header_without_work_leaves_the_step_estimate_alone():
@@ -128,3 +128,50 @@ def test_the_fastest_live_learner_bounds_the_window():
     assert t.grace_s(20, 1.0, 10.0, live={1, 2}) == pytest.approx(1.5)  # learner 0 is gone
     assert t.grace_s(20, 1.0, 10.0, live={2}) == 0.0  # no live learner has a step time yet
     assert t.grace_s(20, 1.0, 10.0, live=None) == pytest.approx(0.5)  # membership not known yet
+
+
+# Transfers: the fastest learner's own, the shortest of its recent ones.
+
+def _fast_learner(t, learner=0):
+    """25 ms a step over 20 steps (a 0.5 s window), uploads of 30 ms, downloads of 20 ms."""
+    t.observe_push(0.03, learner=learner, compute_seconds=0.5, inner_steps=20)
+    t.observe_pull(0.02, learner=learner)
+    t.observe_merge(0.01)
+
+
+def test_another_learners_slow_transfers_take_nothing_from_the_window():
+    """A learner that asks for the longest pace the run admits on every download (or reads
+    its downloads slowly), and streams its uploads slowly, is not the fastest: the window is
+    the fastest learner's, less its own transfers. Pooled into one running average of every
+    learner's transfers, that one learner closed every window."""
+    t = timing()
+    _fast_learner(t)
+    window = 0.5 - (0.03 + 0.01 + 0.02)
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(window)
+    for _ in range(10):
+        t.observe_push(9.0, learner=1, compute_seconds=1.5, inner_steps=20)
+        t.observe_pull(12.0, learner=1)
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(window)
+    assert (t.push_s(1), t.pull_s(1)) == (9.0, 12.0)  # they count for its own windows
+
+
+def test_one_slow_transfer_of_the_fastest_learner_leaves_its_window_a_link_that_stays_slow_shortens_it():
+    t = timing()
+    _fast_learner(t)
+    t.observe_pull(5.0, learner=0)  # one download read slowly (or retried after a break)
+    t.observe_push(3.0, learner=0, compute_seconds=0.5, inner_steps=20)  # one upload sent slowly
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(0.5 - (0.03 + 0.01 + 0.02))
+    for _ in range(TRANSFERS_KEPT):  # its link slowed down: every recent transfer takes longer
+        t.observe_pull(0.2, learner=0)
+        t.observe_push(0.1, learner=0, compute_seconds=0.5, inner_steps=20)
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(0.5 - (0.1 + 0.01 + 0.2))
+
+
+def test_the_fastest_learners_paced_downloads_count_their_span():
+    """A paced download reaches its learner over its span: when that learner is the fastest,
+    the window leaves the span for it (docs/wan.md, pacing)."""
+    t = timing()
+    _fast_learner(t)
+    for _ in range(TRANSFERS_KEPT):
+        t.observe_pull(0.125, learner=0)  # paced over a quarter of its window
+    assert t.grace_s(20, 1.0, 10.0) == pytest.approx(0.5 - (0.03 + 0.01 + 0.125))

@@ -1,11 +1,14 @@
 """How many calls of one kind each learner holds open now, at most ``limit`` each.
 
 Some calls hold one of the outer optimizer's threads for as long as their caller makes them
-last: an upload stream until its last chunk arrives, a paced download for its span. The
-per-learner rate limit bounds how often a learner calls, not how many such calls it keeps
-open, so without a bound here one learner (a bug, or a caller trying to hold every thread)
-could take the whole pool, 16 + 4 threads per learner, from the others. A learner needs few:
-its uploads to one outer optimizer go one after another, and so do its downloads.
+last: an upload stream until its last chunk arrives, a download until its caller has read it
+(past the HTTP/2 flow-control windows gRPC's send waits for the reader), a paced download
+for its span besides. The per-learner rate limit bounds how often a learner calls, not how
+many such calls it keeps open, so without a bound here one learner (a bug, or a caller
+trying to hold every thread) could take the whole pool, 16 + 4 threads per learner, from the
+others: unread downloads did, until the status and other learners' downloads timed out. A
+learner needs few: its uploads to one outer optimizer go one after another, and so do its
+downloads.
 """
 
 from __future__ import annotations

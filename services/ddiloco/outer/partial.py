@@ -12,6 +12,12 @@ Bounded: one broken upload per learner id (a newer one replaces it), at most
 partial never exceeds its header's declared size, which reassembly bounded by the run's
 delta limit, so this holds no more than the uploads in flight did when they broke. The
 service keeps only uploads of its own run from learners the coordinator registered.
+
+Every call drops every expired upload, not only the one it looks up: a learner that never
+comes back (it died, or was replaced under a new id) would otherwise keep its bytes until
+enough other learners' uploads broke to push it out, up to ``max_learners`` times the delta
+limit held for nothing. Entries are in the order they were kept, so the sweep reads only
+the expired ones and the first that is not.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 from ddiloco.v1 import outer_pb2
 
@@ -33,15 +40,18 @@ def upload_key(header: outer_pb2.DeltaHeader) -> bytes:
 
 
 class PartialUploads:
-    def __init__(self, max_learners: int, ttl_s: float = 600.0) -> None:
+    def __init__(self, max_learners: int, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
         if max_learners < 1:
             raise ValueError(f"max_learners must be at least 1, got {max_learners}")
         self.max_learners = max_learners
         self.ttl_s = ttl_s
-        self._held: OrderedDict[int, tuple[bytes, bytes, float]] = OrderedDict()  # learner -> (key, data, kept at)
+        self.clock = clock
+        # learner -> (key, data, kept at), in the order kept (keep moves an entry to the end)
+        self._held: OrderedDict[int, tuple[bytes, bytes, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
+        """Learners with an upload held now (expired ones until the next call drops them)."""
         with self._lock:
             return len(self._held)
 
@@ -49,19 +59,27 @@ class PartialUploads:
         if not data:
             return
         with self._lock:
+            self._expire()
             self._held.pop(header.learner_id, None)
-            self._held[header.learner_id] = (upload_key(header), data, time.monotonic())
+            self._held[header.learner_id] = (upload_key(header), data, self.clock())
             while len(self._held) > self.max_learners:
                 self._held.popitem(last=False)
 
+    def _expire(self) -> None:
+        """Drop every upload kept more than ``ttl_s`` ago (oldest first: the order kept)."""
+        now = self.clock()
+        while self._held:
+            _, _, kept_at = next(iter(self._held.values()))
+            if now - kept_at <= self.ttl_s:
+                return
+            self._held.popitem(last=False)
+
     def _entry(self, header: outer_pb2.DeltaHeader) -> bytes | None:
+        self._expire()
         entry = self._held.get(header.learner_id)
         if entry is None:
             return None
-        key, data, kept_at = entry
-        if time.monotonic() - kept_at > self.ttl_s:
-            del self._held[header.learner_id]
-            return None
+        key, data, _ = entry
         return data if key == upload_key(header) else None
 
     def held(self, header: outer_pb2.DeltaHeader) -> int:

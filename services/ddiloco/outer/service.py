@@ -84,6 +84,15 @@ SENDER_GONE_GRACE_S = 0.25
 # Paced downloads one learner may hold at once: its downloads go one after another; a
 # further one is served at link speed (the data, without holding a thread for a span).
 MAX_PACED_PULLS = 1
+# Downloads of any pace one learner may hold open at once (outer/learner_slots.py); more are
+# refused. A download holds a server thread until its caller has read it: once the payload
+# is more than the HTTP/2 flow-control windows take (the reader sets them; about 8 MiB with
+# gRPC's defaults), gRPC's send waits for the reader, so a caller that opens downloads and
+# never reads them took one thread each, until the status and other learners' pulls timed out.
+# A learner's puller downloads one fragment at a time (learner/puller.py: one thread, one
+# download after another, at start-up as in its loop); the second slot is for its retry,
+# which may begin before the server has seen the broken attempt end, as for uploads.
+MAX_PULL_STREAMS = 2
 
 
 def max_waiting_polls(learners: int) -> int:
@@ -177,6 +186,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
         self.waiting = threading.BoundedSemaphore(max_waiting_polls(service.config.learners))
         self.paced = LearnerSlots(MAX_PACED_PULLS)
+        self.pulling = LearnerSlots(MAX_PULL_STREAMS)
         self.pushing = LearnerSlots(MAX_PUSH_STREAMS)
         cfg = service.config
         # the longest span a download may be paced over (common/paced.max_pace_seconds)
@@ -308,6 +318,26 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             svc.state.fragment(request.fragment)  # not a fragment of the run, or of this shard
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
+        learner = request.learner_id
+        slot = self.pulling.claim(learner)
+        if slot is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"learner {learner} already holds {MAX_PULL_STREAMS} downloads open: its downloads go one "
+                "after another; retry once one ends",
+            )
+        # released when the call ends, whatever ends it (a stream nobody reads ends only at its
+        # deadline or cancellation, and its generator may be closed late, by the garbage collector)
+        if not context.add_callback(lambda: self.pulling.release(learner, slot)):
+            self.pulling.release(learner, slot)  # ended already
+        try:
+            yield from self._serve_pull(request, context, t0)
+        finally:
+            self.pulling.release(learner, slot)
+
+    def _serve_pull(self, request, context, t0: float):
+        """The download itself, once its learner holds a slot for it."""
+        svc = self.svc
         version, tokens_merged, arrays = svc.state.snapshot(request.fragment)
         enc, base = svc.downloads.encode_for(
             request.learner_id, request.fragment, request.have_version, version, arrays, request.have_digest,
@@ -333,19 +363,33 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
                 yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes, pace)
             finally:
                 self.paced.release(request.learner_id, token)
-        # the download is part of what a grace window must leave time for (outer/timing.py);
-        # a paced one takes its span, and the merged version reaches the learner that much later
-        svc.timing.observe_pull(time.monotonic() - t0)
+        # the download is part of what this learner's windows must leave time for when it is
+        # the fastest (outer/timing.py); a paced one takes its span, and the merged version
+        # reaches it that much later. Only its own windows: another learner's pace or slow
+        # reading takes nothing of them
+        svc.timing.observe_pull(time.monotonic() - t0, request.learner_id)
 
     def GetStatus(self, request, context):
         svc = self.svc
-        self._authorize(context, "GetStatus")
+        caller = self._authorize(context, "GetStatus")
+        if (request.learner_id or request.incarnation) and caller is not None and caller.role != "learner":
+            # anyone of the run may read the status, but only a learner process names itself:
+            # a naming read is rate-limited per learner and may ask the coordinator about the
+            # id, so another role varying the id was never limited, evicted the learners' rate
+            # buckets, and made a coordinator call per unknown id
+            with refusals_as_status(context):
+                raise errors.PermissionDenied(
+                    f"{caller.describe()} may read the status but not name a learner in it (learner_id="
+                    f"{request.learner_id}, incarnation={request.incarnation}): only a learner process names itself",
+                )
         if request.incarnation:
             # a learner process reading where it resumes: this view of membership knows it
             # before the answer, so no older process's delta is accepted after it (the fence
             # under the state's lock in OuterState.accept)
             self._authorize(context, "GetStatus", request.learner_id)
-            self._limit(context, "GetStatus", request.learner_id)
+            # limited per caller: its certificate's learner id (the one named, checked just
+            # above); without TLS no identity is known, and the id named is all there is
+            self._limit(context, "GetStatus", caller.learner_id if caller is not None else request.learner_id)
             with refusals_as_status(context):
                 svc.known.check(request.learner_id, request.incarnation)
         if request.wait_ms:
@@ -541,7 +585,8 @@ class OuterService:
         Only once the coordinator reports the run draining or finished, asked now rather
         than from the watch loop's cache (anyone can call this). Idempotent: the coordinator
         retries a Finalize whose answer it lost, and a retry gets the first answer without
-        merging or checkpointing again. Raises ``errors.Refused``."""
+        merging or checkpointing again. Raises ``errors.Refused``: ``ResourceExhausted`` when
+        the final merge cannot be recorded (disk full; asked again, it merges what is left)."""
         with self._finalize_lock:
             if self._final is not None:
                 return self._final
@@ -554,7 +599,18 @@ class OuterService:
                 raise errors.FailedPrecondition(
                     f"Finalize ends the run, but the coordinator reports it {coordinator_pb2.RunState.Name(run_state)}",
                 )
-            self.state.merge_all(close=True)
+            try:
+                self.state.merge_all(close=True)
+            except StorageError as exc:
+                # a merge record could not be written (disk full): that fragment's deltas stay
+                # pending and journaled, and none is accepted any more (closed). Not final: the
+                # coordinator asks again, and the merge runs once there is room. A typed
+                # refusal, as PushDelta's for the same cause, not an UNKNOWN from the edge
+                log.error("final merge not recorded: %s", exc)
+                self.metrics.event("merge_postponed", reason=str(exc), final=True)
+                raise errors.ResourceExhausted(
+                    f"{exc}; the final merge is not done (what is pending stays pending and journaled): ask again later",
+                ) from exc
             # shard 0 of several evaluates after the others finalized (the coordinator asks
             # them first), so it reads their final fragments; the others report NaN
             loss = acc = math.nan

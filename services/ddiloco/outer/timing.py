@@ -10,9 +10,14 @@ the merge closes and before that learner's window ends:
 
 * ``step`` is the fastest live learner's seconds per inner step (a slower learner's longer
   window does not give the fast one more time), ``overlap`` the overlap in steps (default H);
-* ``upload`` is measured from the first byte of a delta to its acknowledgement; the quorum
-  starts counting when the first delta is acknowledged, so its upload is already spent;
-* ``merge`` and ``download`` are the running times of a merge and of serving a fragment;
+* ``upload`` and ``download`` are that same learner's: its upload is measured from the first
+  byte of a delta to its acknowledgement (the quorum starts counting when the first delta is
+  acknowledged, so its upload is already spent), its download from the pull's arrival to the
+  last chunk handed to gRPC (a paced one over its span: the merged version reaches it that
+  much later). Each is the shortest of that learner's last ``TRANSFERS_KEPT`` transfers,
+  the rule of the claim floor below: one slow transfer (a retry, a congested moment) does not
+  shorten every window, a link that stays slow does;
+* ``merge`` is the running time of a merge (the server's own work, the same for everyone);
 * ``jitter`` is how much that learner's window length deviates from its mean (the running
   mean absolute deviation of its step time, times the overlap): a window that ends early by
   that much must still find the merge done.
@@ -33,8 +38,16 @@ restart or a stall leaves does not make an honest learner look slow; an honest l
 claim is never under half its shortest interval, so the floor does not change its estimate.
 The first delta of a learner and fragment has no interval yet and counts as claimed.
 
-All estimates are exponential moving averages; nothing here reads a clock (arrival times
-are passed in).
+Transfer times are per learner because they are the caller's to stretch: a download lasts as
+long as the pace its learner asks for (up to a whole fragment slot at the slowest admitted
+step) and as its learner takes to read it, an upload as long as its learner takes to send
+it. Pooled into one running average, as they were, a single learner asking the admitted
+maximum pace (or reading slowly) made every learner's window ``max(0, ...)``: 8.4 s of grace
+became 0. Now a learner's transfers count only for the windows it bounds as the fastest live
+learner, where the time they take is really spent before the merged version reaches it.
+
+Step times and the merge time are exponential moving averages, transfer times the shortest
+recent ones; nothing here reads a clock (arrival and transfer times are passed in).
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ from collections import deque
 CLAIM_FLOOR = 0.5
 # intervals kept per learner and fragment for the floor: the shortest of them counts
 INTERVALS_KEPT = 4
+# upload and download times kept per learner: the shortest of them counts (the same rule)
+TRANSFERS_KEPT = 4
 
 
 class SyncTiming:
@@ -53,9 +68,11 @@ class SyncTiming:
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
-        self.push_s = 0.0
         self.merge_s = 0.0
-        self.pull_s = 0.0
+        # per learner: its recent upload and download seconds (the shortest counts). Bounded
+        # by the learners the run has, as the step times below.
+        self._pushes: dict[int, deque[float]] = {}
+        self._pulls: dict[int, deque[float]] = {}
         # per learner: running mean seconds per inner step, and its mean absolute deviation.
         # Bounded by the learners the run has: callers validate the id before observing.
         self.step_s: dict[int, float] = {}
@@ -77,7 +94,7 @@ class SyncTiming:
         ``inner_steps`` steps; it was accepted at ``arrived`` (monotonic seconds; None: no
         measured floor)."""
         with self._lock:
-            self.push_s = self._ema(self.push_s, seconds)
+            self._pushes.setdefault(learner, deque(maxlen=TRANSFERS_KEPT)).append(seconds)
             if compute_seconds > 0 and inner_steps > 0:
                 step = max(compute_seconds / inner_steps, self._measured_floor(learner, fragment, inner_steps, arrived))
                 old = self.step_s.get(learner)
@@ -102,9 +119,20 @@ class SyncTiming:
         with self._lock:
             self.merge_s = self._ema(self.merge_s, seconds)
 
-    def observe_pull(self, seconds: float) -> None:
+    def observe_pull(self, seconds: float, learner: int) -> None:
+        """One download served to ``learner`` took ``seconds`` (its pace span included)."""
         with self._lock:
-            self.pull_s = self._ema(self.pull_s, seconds)
+            self._pulls.setdefault(learner, deque(maxlen=TRANSFERS_KEPT)).append(seconds)
+
+    def push_s(self, learner: int) -> float:
+        """``learner``'s upload time: the shortest of its recent uploads (0: none yet)."""
+        with self._lock:
+            return min(self._pushes.get(learner) or [0.0])
+
+    def pull_s(self, learner: int) -> float:
+        """``learner``'s download time: the shortest of its recent downloads (0: none yet)."""
+        with self._lock:
+            return min(self._pulls.get(learner) or [0.0])
 
     def grace_s(self, overlap_steps: int, gamma: float, cap: float, live: set[int] | None = None) -> float:
         """``gamma x usable`` (see the module), at most ``cap``; 0 until a step time is known.
@@ -119,5 +147,8 @@ class SyncTiming:
             fastest = min(known, key=self.step_s.__getitem__)
             window = overlap_steps * self.step_s[fastest]
             jitter = overlap_steps * self.step_dev_s.get(fastest, 0.0)
-            usable = window - (self.push_s + self.merge_s + self.pull_s) - jitter
+            # its own transfers: another learner's slow ones take nothing of its time
+            upload = min(self._pushes.get(fastest) or [0.0])
+            download = min(self._pulls.get(fastest) or [0.0])
+            usable = window - (upload + self.merge_s + download) - jitter
             return min(cap, max(0.0, gamma * usable))
