@@ -15,14 +15,14 @@ from ddiloco.chaos.local import FaultError, group_threads_states, wait_group_sto
 
 # a process group of two processes, each with a second thread; every thread spins
 SPIN = """
-import subprocess, sys, threading
+import os, subprocess, sys, threading
 def spin():
     while True:
         pass
 threading.Thread(target=spin, daemon=True).start()
 if sys.argv[1:] == ["parent"]:
     subprocess.Popen([sys.executable, __file__, "child"])
-print("up", flush=True)
+os.write(1, b"up\n")  # one write, atomic on a pipe: print's two writes interleaved with the other process's
 spin()
 """
 
