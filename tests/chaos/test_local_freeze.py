@@ -22,7 +22,7 @@ def spin():
 threading.Thread(target=spin, daemon=True).start()
 if sys.argv[1:] == ["parent"]:
     subprocess.Popen([sys.executable, __file__, "child"])
-os.write(1, b"up\n")  # one write, atomic on a pipe: print's two writes interleaved with the other process's
+os.write(1, b"up\\n")  # one write, atomic on a pipe: print's two writes interleaved with the other process's
 spin()
 """
 
