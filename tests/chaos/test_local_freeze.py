@@ -32,8 +32,8 @@ def spinning_group(tmp_path):
     script = tmp_path / "spin.py"
     script.write_text(SPIN)
     proc = subprocess.Popen([sys.executable, str(script), "parent"], stdout=subprocess.PIPE, start_new_session=True)
-    assert [proc.stdout.readline() for _ in range(2)] == [b"up\n"] * 2  # the parent's and the child's
-    try:
+    try:  # the group is killed however the set-up ends: its processes spin for ever
+        assert [proc.stdout.readline() for _ in range(2)] == [b"up\n"] * 2  # the parent's and the child's
         yield proc.pid
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
