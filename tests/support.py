@@ -206,3 +206,24 @@ def order_files(items: list) -> list:
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     ordered = sorted(files, key=lambda f: (0, rank[f]) if f in rank else (1, -len(files[f])))
     return [item for f in ordered for item in files[f]]
+
+
+def closed_within(sock, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (sending nothing) within ``seconds``."""
+    import socket
+
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except (socket.timeout, BlockingIOError):  # nothing came: still open
+        return False
+
+
+def connect(port: int, source: str = "127.0.0.1"):
+    """A TCP connection to 127.0.0.1:``port`` from the address ``source`` (127.0.0.x: a client
+    address of its own, for per-address bounds)."""
+    import socket
+
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))

@@ -9,6 +9,7 @@ import urllib.request
 
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.prom import host_of, start_exporter
+from support import closed_within, connect
 
 
 def test_port_0_means_off_and_events_cost_nothing_more():
@@ -102,25 +103,6 @@ def test_the_receive_pool_families_show_what_the_pool_holds(monkeypatch):
     del held
     idle, _ = receive_pool_families("ddiloco_x_idle_bytes", "ddiloco_x_reused", ["learner"], ["3"])
     assert [s.value for s in idle.samples] == [float(2 << 20)]
-
-
-def closed_within(sock, seconds: float) -> bool:
-    """Whether the server closes ``sock`` (sending nothing) within ``seconds``."""
-    import socket
-
-    sock.settimeout(seconds)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except (socket.timeout, BlockingIOError):  # nothing came: still open
-        return False
-
-
-def connect(port: int, source: str = "127.0.0.1"):
-    import socket
-
-    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
 
 
 def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout():

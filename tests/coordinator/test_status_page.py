@@ -7,28 +7,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import urllib.request
 
 import pytest
 
 from ddiloco.common.prom import HTTPBounds
 from ddiloco.coordinator.status_page import StatusPage
-
-
-def closed_within(sock, seconds: float) -> bool:
-    """Whether the server closes ``sock`` (sending nothing) within ``seconds``."""
-    sock.settimeout(seconds)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except (socket.timeout, BlockingIOError):  # nothing came: still open
-        return False
-
-
-def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+from support import closed_within, connect
 
 
 @pytest.fixture

@@ -220,16 +220,7 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             learner = first.header.learner_id
             self._authorize(context, "PushDelta", learner)
             self._limit(context, "PushDelta", learner)
-            token = self.pushing.claim(learner)
-            if token is None:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"learner {learner} already holds {MAX_PUSH_STREAMS} upload streams open: "
-                    "its uploads go one after another; retry once one ends",
-                )
-            # released when the call ends, whatever ends it (at once if it has ended already)
-            if not context.add_callback(lambda: self.pushing.release(learner, token)):
-                self.pushing.release(learner, token)
+            self._hold_slot(context, self.pushing, learner, f"{MAX_PUSH_STREAMS} upload streams", "uploads")
             chunk = min(self.svc.config.learner.chunk_bytes, MIN_CHUNK_BYTES)
             most = -(-max(first.header.payload.payload_bytes, 0) // chunk) + 1
             return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
@@ -319,21 +310,29 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
         learner = request.learner_id
-        slot = self.pulling.claim(learner)
-        if slot is None:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"learner {learner} already holds {MAX_PULL_STREAMS} downloads open: its downloads go one "
-                "after another; retry once one ends",
-            )
-        # released when the call ends, whatever ends it (a stream nobody reads ends only at its
-        # deadline or cancellation, and its generator may be closed late, by the garbage collector)
-        if not context.add_callback(lambda: self.pulling.release(learner, slot)):
-            self.pulling.release(learner, slot)  # ended already
+        slot = self._hold_slot(context, self.pulling, learner, f"{MAX_PULL_STREAMS} downloads", "downloads")
         try:
             yield from self._serve_pull(request, context, t0)
         finally:
+            # also here: a stream nobody reads ends only at its deadline or cancellation, and
+            # its generator may be closed late, by the garbage collector
             self.pulling.release(learner, slot)
+
+    @staticmethod
+    def _hold_slot(context, slots: LearnerSlots, learner: int, most: str, what: str):
+        """One of ``learner``'s slots in ``slots`` for this call, released when the call ends
+        however it ends (at once if it has ended already); RESOURCE_EXHAUSTED when it holds
+        ``most`` already. Returns the slot."""
+        slot = slots.claim(learner)
+        if slot is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"learner {learner} already holds {most} open: its {what} go one after another; "
+                "retry once one ends",
+            )
+        if not context.add_callback(lambda: slots.release(learner, slot)):
+            slots.release(learner, slot)
+        return slot
 
     def _serve_pull(self, request, context, t0: float):
         """The download itself, once its learner holds a slot for it."""
