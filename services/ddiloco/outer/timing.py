@@ -127,12 +127,18 @@ class SyncTiming:
     def push_s(self, learner: int) -> float:
         """``learner``'s upload time: the shortest of its recent uploads (0: none yet)."""
         with self._lock:
-            return min(self._pushes.get(learner) or [0.0])
+            return self._shortest(self._pushes, learner)
 
     def pull_s(self, learner: int) -> float:
         """``learner``'s download time: the shortest of its recent downloads (0: none yet)."""
         with self._lock:
-            return min(self._pulls.get(learner) or [0.0])
+            return self._shortest(self._pulls, learner)
+
+    @staticmethod
+    def _shortest(kept: dict[int, deque[float]], learner: int) -> float:
+        """The shortest of ``learner``'s transfers kept in ``kept`` (0: none yet); the
+        caller holds the lock."""
+        return min(kept.get(learner) or [0.0])
 
     def grace_s(self, overlap_steps: int, gamma: float, cap: float, live: set[int] | None = None) -> float:
         """``gamma x usable`` (see the module), at most ``cap``; 0 until a step time is known.
@@ -148,7 +154,6 @@ class SyncTiming:
             window = overlap_steps * self.step_s[fastest]
             jitter = overlap_steps * self.step_dev_s.get(fastest, 0.0)
             # its own transfers: another learner's slow ones take nothing of its time
-            upload = min(self._pushes.get(fastest) or [0.0])
-            download = min(self._pulls.get(fastest) or [0.0])
+            upload, download = self._shortest(self._pushes, fastest), self._shortest(self._pulls, fastest)
             usable = window - (upload + self.merge_s + download) - jitter
             return min(cap, max(0.0, gamma * usable))
