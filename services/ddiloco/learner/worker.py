@@ -566,9 +566,8 @@ class Learner:
                 dt = self.config.lease_timeout_s
             step += 1
             self.batch_index += self.group.size
-            if self.keeper is not None and step % self.inner_steps == 0:
-                self.keeper.offer(inner_state.snapshot(self.config.run_id, self.learner_id, self.names, self.params,
-                                                       self.optimizer, self.schedule_offset + step))
+            if step % self.inner_steps == 0:
+                self._keep_inner_state(step)
             self.stats.add(tokens=weight, inner_steps=1, compute_seconds=dt)
             self.stats.set(last_loss=loss_value, wall_seconds=time.monotonic() - start)
             for f in range(nfrag):
@@ -588,13 +587,19 @@ class Learner:
         for f in range(nfrag):
             if win_steps[f]:
                 self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
-        if self.keeper is not None and step % self.inner_steps:
+        if step % self.inner_steps:
             # the state where training stopped, which the flush above makes where the shard
             # resumes: a run resumed with --resume goes on with the moments and schedule step
             # of its last step, not of its last multiple of H
+            self._keep_inner_state(step)
+        self.stats.set(wall_seconds=time.monotonic() - start)
+
+    def _keep_inner_state(self, step: int) -> None:
+        """Offer the AdamW moments and schedule step after ``step`` steps of this process to
+        the keeper (written on its own thread), if this learner keeps them."""
+        if self.keeper is not None:
             self.keeper.offer(inner_state.snapshot(self.config.run_id, self.learner_id, self.names, self.params,
                                                    self.optimizer, self.schedule_offset + step))
-        self.stats.set(wall_seconds=time.monotonic() - start)
 
     @torch.no_grad()
     def _end_window(self, fragment: int, steps: int, tokens: int, mean_loss: float, compute_seconds: float) -> None:
