@@ -2,7 +2,8 @@
 
     span = (bytes / mean bytes) / (HEADROOM x windows per second)
 
-over the learner's last windows, capped by a quarter of the overlap and by what the outer
+over the learner's last windows (the mean bytes those of a window of the average
+fragment), capped by a quarter of the overlap and by what the outer
 optimizer admits; never when pacing is off, in synchronous mode, before there is a rate,
 or for a backlog. The clock is injected: nothing here waits."""
 
@@ -30,10 +31,11 @@ def config(h: int = 25, p: int = 8, tau: int = 0, on: bool = True, sync: bool = 
     return cfg
 
 
-def paced(cfg: RunConfig, interval: float, windows: int = KEEP, h: int | None = None) -> TransferPace:
+def paced(cfg: RunConfig, interval: float, windows: int = KEEP, h: int | None = None,
+          sizes: list[int] | None = None) -> TransferPace:
     """A pace whose learner ended ``windows`` windows ``interval`` seconds apart."""
     clock = Clock()
-    pace = TransferPace(cfg, h or cfg.learner.inner_steps, clock=clock)
+    pace = TransferPace(cfg, h or cfg.learner.inner_steps, fragment_sizes=sizes, clock=clock)
     for _ in range(windows):
         pace.window_ended()
         clock.now += interval
@@ -116,3 +118,43 @@ def test_a_backlog_goes_at_link_speed():
 def test_no_pacing_when_off_synchronous_or_before_there_is_a_rate(on, sync, windows):
     pace = paced(config(on=on, sync=sync), interval=1.0, windows=windows)
     assert pace.download_span() == 0.0 and pace.upload_span(1000) == 0.0
+
+
+# the default model's eight fragments (whole tensors; common/fragments.partition), parameters each
+SIZES = [258_048, 258_048, 258_048, 258_048, 196_608, 221_184, 208_896, 194_688]
+
+
+def test_a_fragment_larger_than_the_average_gets_a_longer_span_from_its_first_upload():
+    pace = paced(config(), interval=1.0, sizes=SIZES)
+    mean = sum(SIZES) / len(SIZES)
+    # int4: about half a byte per parameter; the first upload is the largest fragment's
+    assert pace.upload_span(SIZES[0] // 2, fragment=0) == pytest.approx(SIZES[0] / mean / HEADROOM)
+    assert pace.upload_span(SIZES[7] // 2, fragment=7) == pytest.approx(SIZES[7] / mean / HEADROOM)
+    # a download's share is its fragment's share of the parameters
+    assert pace.download_span(fragment=0) == pytest.approx(SIZES[0] / mean / HEADROOM)
+    assert pace.download_span(fragment=7) == pytest.approx(SIZES[7] / mean / HEADROOM)
+
+
+def test_no_transfer_of_unequal_fragments_takes_more_than_the_headroom_times_the_average_rate():
+    # the fragments' windows end in turn, a window a second. The average rate a link
+    # carries per direction is a window of the average fragment per second: no transfer may
+    # go faster than HEADROOM times it,
+    # the first ones (the largest fragments, before the smaller ones were ever sent) included
+    pace = paced(config(), interval=1.0, sizes=SIZES)
+    per_param = 0.53  # int4 with its scales
+    for k in range(4 * len(SIZES)):
+        f = k % len(SIZES)
+        nbytes = int(SIZES[f] * per_param)
+        average = per_param * sum(SIZES) / len(SIZES)  # bytes per second
+        up = pace.upload_span(nbytes, fragment=f)
+        down = pace.download_span(fragment=f)
+        assert nbytes / up <= HEADROOM * average * 1.01, (k, f)
+        assert nbytes / down <= HEADROOM * average * 1.01, (k, f)
+
+
+def test_a_fragment_the_learner_does_not_have_is_refused():
+    pace = paced(config(p=8), interval=1.0, sizes=SIZES)
+    with pytest.raises(ValueError, match="fragment 8"):
+        pace.download_span(fragment=8)
+    with pytest.raises(ValueError, match="need parameters"):
+        TransferPace(config(), 25, fragment_sizes=[10, 0])

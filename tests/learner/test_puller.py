@@ -168,8 +168,8 @@ def test_each_paced_download_asks_its_own_span_and_a_retry_is_not_paced(rig):  #
 def _paced_downloads(outer, rig):  # noqa: F811
     asked = []
 
-    def pace(due: int) -> float:
-        asked.append(due)
+    def pace(due: int, fragment: int) -> float:
+        asked.append((due, fragment))
         return 0.2
 
     puller, sup = rig.puller(outer, fragments=2, pace=pace)
@@ -189,7 +189,7 @@ def _paced_downloads(outer, rig):  # noqa: F811
         return set(got) == {0, 1}
 
     wait_until(both, 10, "both fragments")
-    assert asked == [2, 1]  # two due, then the one left
+    assert asked == [(2, 0), (1, 1)]  # two due, then the one left, each with its fragment
     assert outer.pull_requests[2:] == [(0, 0), (1, 0), (1, 0)]
     assert outer.pull_paces_ms[2:] == [200, 200, 0]
     assert not sup.failed.is_set()

@@ -269,15 +269,16 @@ def test_a_paced_upload_asks_its_span_once_and_a_retry_goes_at_link_speed(outer,
     outer.push_script.append(S.UNAVAILABLE)  # the first attempt fails, the retry succeeds
     asked = []
 
-    def pace(nbytes: int, due: int) -> float:
-        asked.append((nbytes, due))
+    def pace(nbytes: int, due: int, fragment: int) -> float:
+        asked.append((nbytes, due, fragment))
         return 0.25
 
     up, sup = rig.uploader(outer, pace=pace)
     up.submit(window(2.0))
     assert up.flush(10)
     assert not sup.failed.is_set(), sup.failure
-    assert [due for _, due in asked] == [1]  # the first attempt only, nothing queued behind it
+    assert [due for _, due, _ in asked] == [1]  # the first attempt only, nothing queued behind it
     assert asked[0][0] > 0  # the payload's bytes
+    assert asked[0][2] == window(2.0).fragment  # the fragment's share of the bytes decides the span
     assert [a.seq for a in outer.accepted] == [1]
     np.testing.assert_array_equal(outer.accepted[0].arrays[0][1], np.full(8, 2.0, np.float32))

@@ -2,12 +2,21 @@
 
 A rate shaper, per direction: each transfer is spread over
 
-    span = (its bytes / the direction's mean transfer bytes) / (HEADROOM x window rate)
+    span = (its bytes / the mean transfer's bytes) / (HEADROOM x window rate)
 
 seconds, ``window rate`` the learner's windows ended per second over its last ``KEEP``
 windows (all fragments). A learner sends one upload per window and downloads at most one
 change per upload, so that rate is each direction's rate of transfers, and a transfer of
-average size takes ``1 / HEADROOM`` of the mean interval between two. Uploads go one after
+average size takes ``1 / HEADROOM`` of the mean interval between two.
+
+The mean transfer is that of a window of the average fragment: the fragments' mean
+parameter count times the bytes per parameter of the learner's last ``KEEP`` uploads.
+Fragments are whole tensors and differ in size (the default model's eight: 145 kB of int4
+for the largest, 110 kB for the smallest), and their windows end in turn, so a mean over the
+last uploads alone is the mean of whichever fragments sent last: at the start, of the first
+(largest) ones only, and those went at 1.25 x 145 / 130 of the average rate, the run's
+one-second peak (1.59 times the average; docs/wan.md). A download's size is not known before
+it arrives; it is its fragment's share of the parameters, quantized like the uploads. Uploads go one after
 another on one thread, and so do downloads, so a direction never carries more than
 ``HEADROOM`` times its average rate, whatever the pattern of window ends: two windows that
 end together (phase alignment lengthens windows, and a fragment's window may then end on
@@ -45,7 +54,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.paced import max_pace_seconds
@@ -58,9 +67,21 @@ BACKLOG = 2
 
 
 class TransferPace:
-    def __init__(self, cfg: RunConfig, inner_steps: int, clock: Callable[[], float] = time.monotonic) -> None:
-        """``inner_steps``: this learner's H (a per-learner override of the run's)."""
+    def __init__(
+        self,
+        cfg: RunConfig,
+        inner_steps: int,
+        fragment_sizes: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``inner_steps``: this learner's H (a per-learner override of the run's);
+        ``fragment_sizes``: each fragment's parameter count (None: all alike)."""
         self.enabled = cfg.learner.pace_transfers and not cfg.learner.sync
+        sizes = list(fragment_sizes) if fragment_sizes else [1] * max(1, cfg.fragments)
+        if min(sizes) <= 0:
+            raise ValueError(f"fragments need parameters to be paced, got sizes {sizes}")
+        self.fragment_sizes = sizes
+        self.mean_size = sum(sizes) / len(sizes)
         self.clock = clock
         tau = cfg.outer.overlap_steps or inner_steps
         # the overlap in windows of the window rate: tau / H windows of each of P fragments
@@ -69,7 +90,7 @@ class TransferPace:
         self.limit_s = max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s)
         self._lock = threading.Lock()
         self._ends: collections.deque[float] = collections.deque(maxlen=KEEP)
-        self._upload_bytes: collections.deque[int] = collections.deque(maxlen=KEEP)
+        self._bytes_per_param: collections.deque[float] = collections.deque(maxlen=KEEP)  # of the last uploads
 
     def training_started(self) -> None:
         """Called by the training loop before its first step: the first window end's
@@ -91,19 +112,27 @@ class TransferPace:
             return 0.0
         return (len(ends) - 1) / (ends[-1] - ends[0])
 
-    def upload_span(self, nbytes: int, due: int = 1) -> float:
-        """Seconds to spread an upload of ``nbytes`` over, with ``due`` uploads waiting
-        (this one included); 0: at link speed. Records its size for the mean."""
+    def upload_span(self, nbytes: int, due: int = 1, fragment: int = 0) -> float:
+        """Seconds to spread an upload of ``nbytes`` of ``fragment`` over, with ``due``
+        uploads waiting (this one included); 0: at link speed. Records its bytes per
+        parameter for the mean (the first upload is its own mean)."""
+        own = nbytes / self._size(fragment)
         with self._lock:
-            mean = sum(self._upload_bytes) / len(self._upload_bytes) if self._upload_bytes else nbytes
-            self._upload_bytes.append(nbytes)
-        return self._span(nbytes / mean if mean > 0 else 1.0, due)
+            kept = self._bytes_per_param
+            per_param = sum(kept) / len(kept) if kept else own
+            kept.append(own)
+        return self._span(nbytes / (per_param * self.mean_size) if per_param > 0 else 0.0, due)
 
-    def download_span(self, due: int = 1) -> float:
-        """Seconds to spread the next download over, ``due`` downloads wanted (this one
-        included); 0: at link speed. Downloads of a run are all about one size (each
-        fragment's change, quantized like an upload), so each gets the mean span."""
-        return self._span(1.0, due)
+    def download_span(self, due: int = 1, fragment: int = 0) -> float:
+        """Seconds to spread the next download of ``fragment`` over, ``due`` downloads
+        wanted (this one included); 0: at link speed. A download is its fragment's change,
+        quantized like an upload: its share of the bytes is its share of the parameters."""
+        return self._span(self._size(fragment) / self.mean_size, due)
+
+    def _size(self, fragment: int) -> int:
+        if not 0 <= fragment < len(self.fragment_sizes):
+            raise ValueError(f"fragment {fragment} is not one of this learner's {len(self.fragment_sizes)}")
+        return self.fragment_sizes[fragment]
 
     def _span(self, size_share: float, due: int) -> float:
         rate = self.window_rate()

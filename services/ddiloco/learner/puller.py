@@ -115,10 +115,11 @@ class Puller:
         backoff_max_s: float = 2.0,
         uploads_of: Callable[[int], int] | None = None,
         wait: Callable[[threading.Event, float], bool] | None = None,
-        pace: Callable[[int], float] | None = None,
+        pace: Callable[[int, int], float] | None = None,
     ) -> None:
         self.client_factory = client_factory
-        # pace(due): seconds to spread the next download over with ``due`` wanted, it included
+        # pace(due, fragment): seconds to spread the next download, of ``fragment``, over with
+        # ``due`` wanted, it included
         # (learner/pace.py); the loop's downloads only: the start-up copy is wanted at once
         self.pace = pace
         # how a retry waits: ``wait(event, seconds)`` is True if the event was set meanwhile
@@ -307,7 +308,7 @@ class Puller:
                 changed, seen = status.version != seen, status.version
                 wanted = self._wanted(status)
                 for i, fragment in enumerate(wanted):
-                    pace_s = self.pace(len(wanted) - i) if self.pace is not None else 0.0
+                    pace_s = self.pace(len(wanted) - i, fragment) if self.pace is not None else 0.0
                     before = self.copies[fragment].merged_mine
                     # merged count read before the pull: the pulled version holds at least that much
                     copy, _ = self._pull(client, fragment, self._mine(status, fragment), timeout=300, pace_s=pace_s)

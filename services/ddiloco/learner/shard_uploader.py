@@ -37,7 +37,7 @@ class ShardedUploader:
         metrics: MetricsLog,
         last_seqs: list[int],
         learner_id: int = -1,
-        pace: Callable[[int, int], float] | None = None,
+        pace: Callable[[int, int, int], float] | None = None,
         on_superseded: Callable[[str], None] | None = None,
     ) -> None:
         """``last_seqs[i]``: the last sequence number shard i accepted from this learner (0:

@@ -106,13 +106,13 @@ class Uploader:
         learner_id: int = -1,
         on_ack: Callable[[int, int], None] | None = None,
         seq_step: int = 1,
-        pace: Callable[[int, int], float] | None = None,
+        pace: Callable[[int, int, int], float] | None = None,
         on_superseded: Callable[[str], None] | None = None,
     ) -> None:
         """``seq_step``: how far apart this uploader's sequence numbers are (1; S for the
-        uploader of one of S outer shards, ``shard_uploader.py``). ``pace(nbytes, due)``:
-        the seconds to spread an upload of ``nbytes`` over with ``due`` uploads waiting, this
-        one included (``ddiloco.learner.pace``); None or 0: at link speed.
+        uploader of one of S outer shards, ``shard_uploader.py``). ``pace(nbytes, due,
+        fragment)``: the seconds to spread an upload of ``nbytes`` of ``fragment`` over with
+        ``due`` uploads waiting, this one included (``ddiloco.learner.pace``); None or 0: at link speed.
         ``on_superseded(details)``: the outer optimizer refused an upload because another
         process holds this learner id (ABORTED); it stops the learner."""
         self.cfg = cfg
@@ -273,7 +273,7 @@ class Uploader:
                 return
             client = self.client_factory()
             # the first attempt only: a retry is late already
-            pace = self._pace(len(enc.payload)) if not failures else None
+            pace = self._pace(len(enc.payload), window.fragment) if not failures else None
             try:
                 resp = client.push(
                     enc,
@@ -312,13 +312,13 @@ class Uploader:
             self._acked(seq, window, enc, duplicate=False, version=resp.global_version, paced_s=pace.waited if pace else 0.0)
             return
 
-    def _pace(self, nbytes: int) -> Pace | None:
-        """The pace of the upload starting now, or None to send at link speed."""
+    def _pace(self, nbytes: int, fragment: int) -> Pace | None:
+        """The pace of the upload of ``fragment`` starting now, or None to send at link speed."""
         if self.pace is None:
             return None
         with self.cond:
             due = 1 + len(self.queue)
-        seconds = self.pace(nbytes, due)
+        seconds = self.pace(nbytes, due, fragment)
         return Pace(nbytes, seconds, wait=self.stop_event.wait) if seconds > 0 else None
 
     def _check_retry(self, seq: int, window: Window, code: grpc.StatusCode, details: str, count: int) -> None:

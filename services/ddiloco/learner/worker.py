@@ -392,7 +392,8 @@ class Learner:
         )
         self.fragments = partition([p.numel() for p in self.params], cfg.fragments)
         self._restore_inner_state()
-        self.transfer_pace = TransferPace(cfg, self.inner_steps)
+        self.transfer_pace = TransferPace(
+            cfg, self.inner_steps, fragment_sizes=[sum(self.params[i].numel() for i in ids) for ids in self.fragments])
         paced = self.transfer_pace.enabled
         self.puller = Puller(
             self.client, self.learner_id, cfg.fragments, self.run_workload.round_tokens(), lcfg.pull_poll_s,
