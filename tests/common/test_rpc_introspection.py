@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ddiloco.common import errors
 from ddiloco.common.certs import revoke, setup_run
-from ddiloco.common.rpc import STREAMS_PER_CALLER, Server, StreamSlots, channel
+from ddiloco.common.rpc import STREAMS_PER_CALLER, Server, channel, hold_stream
+from ddiloco.common.slots import Slots
 from ddiloco.common.security import Security
 
 WORKERS = 16  # a coordinator's
@@ -117,19 +118,13 @@ def test_idle_reflection_streams_cannot_take_the_threads_the_services_need(run_c
         ch.close()
 
 
-def test_stream_slots_are_counted_per_caller_and_in_total_and_released_once():
-    slots = StreamSlots(per_caller=2, total=3)
-    a1, a2 = slots.acquire("a"), slots.acquire("a")
-    with pytest.raises(errors.ResourceExhausted, match="already holds 2"):
-        slots.acquire("a")
-    b1 = slots.acquire("b")
+def test_a_stream_over_its_callers_bound_or_everyones_is_refused_with_which():
+    slots = Slots(STREAMS_PER_CALLER, 3)
+    held = [hold_stream(slots, "a") for _ in range(STREAMS_PER_CALLER)]
+    with pytest.raises(errors.ResourceExhausted, match=f"a already holds {STREAMS_PER_CALLER}"):
+        hold_stream(slots, "a")
+    held.append(hold_stream(slots, "b"))
     with pytest.raises(errors.ResourceExhausted, match="3 health/reflection streams are open"):
-        slots.acquire("c")
-    a1()
-    a1()  # a second release of the same stream gives nothing back twice
-    assert slots.held() == 2
-    slots.acquire("c")
-    assert not slots.wait_held(0, timeout=0)
-    for release in (a2, b1):
-        release()
-    assert slots.held() == 1
+        hold_stream(slots, "c")
+    held[0]()
+    hold_stream(slots, "c")

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from ddiloco.common.slots import Release, Slots
+
 log = logging.getLogger(__name__)
 
 EventHandler = Callable[[str, dict], None]
@@ -49,43 +51,33 @@ class BoundedConnections:
 
     def __init__(self, *args, bounds: HTTPBounds = HTTPBounds(), **kwargs) -> None:
         self.bounds = bounds
-        self._open: dict[str, int] = {}  # connections held, by client address
-        self._open_lock = threading.Lock()
+        # connections held, by client address (common/slots.py)
+        self._open = Slots(bounds.max_per_peer, bounds.max_connections)
+        self._releases: dict[int, Release] = {}  # by the connection's socket's id
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def process_request(self, request, client_address):
-        peer = client_address[0]
-        with self._open_lock:
-            held = self._open.get(peer, 0)
-            admitted = sum(self._open.values()) < self.bounds.max_connections and held < self.bounds.max_per_peer
-            if admitted:
-                self._open[peer] = held + 1
-        if not admitted:
-            log.debug("HTTP connection from %s closed: over the bounds %s", peer, self.bounds)
+        release = self._open.claim(client_address[0])
+        if release is None:
+            log.debug("HTTP connection from %s closed: over the bounds %s", client_address[0], self.bounds)
             self.shutdown_request(request)
             return
         request.settimeout(self.bounds.idle_timeout_s)  # every read and write of the connection
+        self._releases[id(request)] = release
         try:
             super().process_request(request, client_address)  # type: ignore[misc]
         except BaseException:
-            self._release(peer)
+            self._releases.pop(id(request), release)()
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
-            self._release(client_address[0])
-
-    def _release(self, peer: str) -> None:
-        with self._open_lock:
-            self._open[peer] -= 1
-            if not self._open[peer]:
-                del self._open[peer]
+            self._releases.pop(id(request), lambda: None)()
 
     def open_connections(self) -> int:
-        with self._open_lock:
-            return sum(self._open.values())
+        return self._open.held()
 
     def handle_error(self, request, client_address):
         # an idle client timed out, or went away: not an error of ours, no traceback

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from ddiloco.common import auth, errors
 from ddiloco.common.config_rules import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
 from ddiloco.common.security import Security
+from ddiloco.common.slots import Release, Slots
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,9 @@ def introspection_streams(max_workers: int) -> int:
     return max(1, max_workers // 4)
 
 
-class StreamSlots:
-    """A count of the long-lived streams of a server's own services (reflection, health
-    Watch), per caller and in total; a stream over either bound is refused
-    (``ResourceExhausted``) rather than queued.
+def hold_stream(slots: Slots, caller: str) -> Release:
+    """A slot in ``slots`` for one more health or reflection stream of ``caller``, or
+    ``ResourceExhausted`` over its bound or everyone's; returns the release.
 
     Why: the server's worker threads are one pool for every call. A reflection stream holds
     one of them from its first message until the client closes it, idle or not (the thread
@@ -173,46 +173,13 @@ class StreamSlots:
     one caller's idle streams would still fill it, and the services' calls would be refused
     instead of queued, the same outage.) Health Watch holds no thread (it is served
     non-blocking), but it is an open stream all the same and shares the bound."""
-
-    def __init__(self, per_caller: int, total: int) -> None:
-        self.per_caller = per_caller
-        self.total = total
-        self._held: dict[str, int] = {}
-        self._cond = threading.Condition()
-
-    def acquire(self, caller: str) -> Callable[[], None]:
-        """Hold a slot for ``caller``, or raise ``ResourceExhausted``; returns the release
-        (idempotent)."""
-        with self._cond:
-            if self._held.get(caller, 0) >= self.per_caller:
-                raise errors.ResourceExhausted(
-                    f"{caller} already holds {self.per_caller} health/reflection streams open; close one first")
-            if sum(self._held.values()) >= self.total:
-                raise errors.ResourceExhausted(f"{self.total} health/reflection streams are open; try again later")
-            self._held[caller] = self._held.get(caller, 0) + 1
-        released = threading.Event()
-
-        def release() -> None:
-            with self._cond:
-                if released.is_set():
-                    return
-                released.set()
-                self._held[caller] -= 1
-                if not self._held[caller]:
-                    del self._held[caller]
-                self._cond.notify_all()
-
+    release = slots.claim(caller)
+    if release is not None:
         return release
-
-    def held(self) -> int:
-        with self._cond:
-            return sum(self._held.values())
-
-    def wait_held(self, count: int, timeout: float) -> bool:
-        """Wait until at most ``count`` streams are held (for tests and shutdown); False if
-        ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: sum(self._held.values()) <= count, timeout)
+    if slots.full_for(caller):
+        raise errors.ResourceExhausted(
+            f"{caller} already holds {slots.per_key} health/reflection streams open; close one first")
+    raise errors.ResourceExhausted(f"{slots.total} health/reflection streams are open; try again later")
 
 
 def caller_of(ident: auth.Identity | None, context) -> str:
@@ -225,9 +192,9 @@ def caller_of(ident: auth.Identity | None, context) -> str:
 
 class _Introspection:
     """The admission of the calls of health and reflection (see ``INTROSPECTION_POLICY`` and
-    ``StreamSlots``)."""
+    ``hold_stream``)."""
 
-    def __init__(self, authorizer: auth.Authorizer, slots: StreamSlots) -> None:
+    def __init__(self, authorizer: auth.Authorizer, slots: Slots) -> None:
         self.auth = authorizer
         self.slots = slots
 
@@ -238,7 +205,7 @@ class _Introspection:
     def stream(self, context, method: str) -> None:
         with refusals_as_status(context):
             ident = self.auth.check(context.auth_context(), method)
-            release = self.slots.acquire(caller_of(ident, context))
+            release = hold_stream(self.slots, caller_of(ident, context))
         if not context.add_callback(release):  # ended already
             release()
 
@@ -270,7 +237,7 @@ class _Reflection(reflection.ReflectionServicer):
 
 class Server:
     """A gRPC server with grpc.health.v1 and reflection, both authorized like the services'
-    own methods (``INTROSPECTION_POLICY``) and their streams bounded (``StreamSlots``).
+    own methods (``INTROSPECTION_POLICY``) and their streams bounded (``hold_stream``).
 
     Health answers NOT_SERVING until ``set_ready()``, and again once shutdown starts, so an
     orchestrator never routes to a process that cannot serve yet or any more.
@@ -281,7 +248,7 @@ class Server:
     ) -> None:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
         self.security = security or Security.insecure()
-        self.streams = StreamSlots(STREAMS_PER_CALLER, introspection_streams(max_workers))
+        self.streams = Slots(STREAMS_PER_CALLER, introspection_streams(max_workers))
         admit = _Introspection(auth.Authorizer(self.security, INTROSPECTION_POLICY), self.streams)
         self._health = _Health(admit)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

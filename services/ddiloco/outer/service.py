@@ -27,6 +27,7 @@ from ddiloco.common.paced import Pace, max_pace_seconds
 from ddiloco.common.ratelimit import RateLimiter
 from ddiloco.common.rpc import Server, call_ended, call_with_retry, channel, refusals_as_status, status_code
 from ddiloco.common.security import Security
+from ddiloco.common.slots import Release, Slots
 from ddiloco.common.supervision import Supervisor
 from ddiloco.common.wire import add_outer_servicer, payload_info, reassemble, stream_frames
 from ddiloco.outer import decision
@@ -34,7 +35,6 @@ from ddiloco.outer.downloads import DownloadViews
 from ddiloco.outer.evaluator import Evaluator
 from ddiloco.outer.gather import FragmentGather
 from ddiloco.outer.known_learners import KnownLearners
-from ddiloco.outer.learner_slots import LearnerSlots
 from ddiloco.outer.partial import PartialUploads
 from ddiloco.outer.state import OuterState
 from ddiloco.outer.status import OuterStatus
@@ -72,7 +72,7 @@ FINAL_STATES = (coordinator_pb2.RUN_STATE_DRAINING, coordinator_pb2.RUN_STATE_FI
 # An upload stream may cut its payload into chunks this small (or the run's chunk size, if
 # smaller) but no smaller: the bound on its number of messages (see bounded_stream).
 MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume tests stream 4 KiB chunks)
-# Upload streams one learner may hold open at once (outer/learner_slots.py): its uploads go
+# Upload streams one learner may hold open at once (common/slots.py): its uploads go
 # one after another, and a retry may begin before the server has seen its broken attempt
 # end (a dead connection is found by keepalive, within 30 s); more are refused.
 MAX_PUSH_STREAMS = 2
@@ -84,7 +84,7 @@ SENDER_GONE_GRACE_S = 0.25
 # Paced downloads one learner may hold at once: its downloads go one after another; a
 # further one is served at link speed (the data, without holding a thread for a span).
 MAX_PACED_PULLS = 1
-# Downloads of any pace one learner may hold open at once (outer/learner_slots.py); more are
+# Downloads of any pace one learner may hold open at once (common/slots.py); more are
 # refused. A download holds a server thread until its caller has read it: once the payload
 # is more than the HTTP/2 flow-control windows take (the reader sets them; about 8 MiB with
 # gRPC's defaults), gRPC's send waits for the reader, so a caller that opens downloads and
@@ -185,9 +185,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         rate = service.config.outer.learner_calls_per_s
         self.limits = RateLimiter(rate, max(1.0, 2 * rate))
         self.waiting = threading.BoundedSemaphore(max_waiting_polls(service.config.learners))
-        self.paced = LearnerSlots(MAX_PACED_PULLS)
-        self.pulling = LearnerSlots(MAX_PULL_STREAMS)
-        self.pushing = LearnerSlots(MAX_PUSH_STREAMS)
+        # per learner: the rate limit bounds how often it calls, these how many calls it
+        # holds open, so that one learner cannot take the others' threads (common/slots.py)
+        self.paced = Slots(MAX_PACED_PULLS)
+        self.pulling = Slots(MAX_PULL_STREAMS)
+        self.pushing = Slots(MAX_PUSH_STREAMS)
         cfg = service.config
         # the longest span a download may be paced over (common/paced.max_pace_seconds)
         self.max_pace_ms = int(max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s) * 1000)
@@ -310,29 +312,29 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             # a download view holds a full fragment copy: only for learners the run has
             svc.known.check(request.learner_id)
         learner = request.learner_id
-        slot = self._hold_slot(context, self.pulling, learner, f"{MAX_PULL_STREAMS} downloads", "downloads")
+        release = self._hold_slot(context, self.pulling, learner, f"{MAX_PULL_STREAMS} downloads", "downloads")
         try:
             yield from self._serve_pull(request, context, t0)
         finally:
             # also here: a stream nobody reads ends only at its deadline or cancellation, and
             # its generator may be closed late, by the garbage collector
-            self.pulling.release(learner, slot)
+            release()
 
     @staticmethod
-    def _hold_slot(context, slots: LearnerSlots, learner: int, most: str, what: str):
+    def _hold_slot(context, slots: Slots, learner: int, most: str, what: str) -> Release:
         """One of ``learner``'s slots in ``slots`` for this call, released when the call ends
         however it ends (at once if it has ended already); RESOURCE_EXHAUSTED when it holds
-        ``most`` already. Returns the slot."""
-        slot = slots.claim(learner)
-        if slot is None:
+        ``most`` already. Returns the release (idempotent)."""
+        release = slots.claim(learner)
+        if release is None:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"learner {learner} already holds {most} open: its {what} go one after another; "
                 "retry once one ends",
             )
-        if not context.add_callback(lambda: slots.release(learner, slot)):
-            slots.release(learner, slot)
-        return slot
+        if not context.add_callback(release):
+            release()
+        return release
 
     def _serve_pull(self, request, context, t0: float):
         """The download itself, once its learner holds a slot for it."""
@@ -347,8 +349,8 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         )
         with svc.bytes_lock:
             svc.bytes_sent += len(enc.payload)
-        token = self.paced.claim(request.learner_id) if request.pace_ms else None
-        if token is None:
+        release = self.paced.claim(request.learner_id) if request.pace_ms else None
+        if release is None:
             yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes)
         else:
             # the claim ends with the call whatever ends it (a cancelled stream's generator
@@ -356,12 +358,12 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             ended = threading.Event()
             if not context.add_callback(ended.set):
                 ended.set()  # the call has ended already: nothing to wait for
-            context.add_callback(lambda: self.paced.release(request.learner_id, token))  # else: the finally
+            context.add_callback(release)  # else: the finally
             try:
                 pace = Pace(len(enc.payload), request.pace_ms / 1000, wait=ended.wait)
                 yield from stream_frames(outer_pb2.GlobalChunk, header, enc.payload, svc.config.learner.chunk_bytes, pace)
             finally:
-                self.paced.release(request.learner_id, token)
+                release()
         # the download is part of what this learner's windows must leave time for when it is
         # the fastest (outer/timing.py); a paced one takes its span, and the merged version
         # reaches it that much later. Only its own windows: another learner's pace or slow
