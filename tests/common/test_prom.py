@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
+
+import pytest
 
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.prom import host_of, start_exporter
@@ -157,3 +160,36 @@ def test_connections_over_the_total_are_closed_at_once():
         for s in held:
             s.close()
         exporter.close()
+
+
+def test_a_client_that_trickles_its_request_is_closed_at_the_connection_lifetime():
+    """The idle timeout bounds each read, not a request: a client sending a byte well within
+    it each time held its connection (a thread, a descriptor) for as long as it liked. A
+    connection ends ``max_connection_s`` after it was accepted, whatever it is doing; the
+    client's pace below is its behaviour, not a wait for the server."""
+    from ddiloco.common.prom import Exporter, HTTPBounds
+
+    exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=1.0, max_connection_s=1.5))
+    try:
+        sock = connect(exporter.port)
+        request = b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 200  # 70 s at this pace
+        t0 = time.monotonic()
+        closed = False
+        for byte in request:
+            closed = closed_within(sock, 0.3)  # the client's pace: a byte each 0.3 s
+            if closed:
+                break
+            sock.sendall(bytes([byte]))
+        assert closed and time.monotonic() - t0 < 10
+        sock.close()
+        assert urllib.request.urlopen(exporter.url, timeout=5).status == 200  # others are still answered
+    finally:
+        exporter.close()
+
+
+@pytest.mark.parametrize("idle, lifetime", [(0.0, 60.0), (10.0, 5.0), (-1.0, 60.0)])
+def test_http_bounds_need_an_idle_timeout_within_the_connection_lifetime(idle, lifetime):
+    from ddiloco.common.prom import HTTPBounds
+
+    with pytest.raises(ValueError, match="0 < idle timeout <= connection lifetime"):
+        HTTPBounds(idle_timeout_s=idle, max_connection_s=lifetime)

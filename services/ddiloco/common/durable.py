@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import threading
+from typing import Callable
 
 _unique = itertools.count()
 TMP_MARK = ".tmp"  # every temporary this module (and the checkpoint writer) makes has it in its name
@@ -112,24 +113,29 @@ def remove_temporaries_of(path: pathlib.Path) -> list[pathlib.Path]:
     ``path`` can be in flight. Returns what it removed."""
     path = pathlib.Path(path)
     prefix = f".{path.name}{TMP_MARK}-"
-    removed = []
-    if path.parent.is_dir():
-        for p in path.parent.iterdir():
-            if p.name.startswith(prefix) and p.is_file():
-                p.unlink(missing_ok=True)
-                removed.append(p)
-    return removed
+    return _remove_where(path.parent, lambda p: p.name.startswith(prefix) and p.is_file())
 
 
 def remove_temporaries(folder: pathlib.Path) -> list[pathlib.Path]:
     """Delete what torn writes left in ``folder`` (hidden names containing ``.tmp``): call it
     only at start, when no write of this process can be in flight. Returns what it removed."""
+    return _remove_where(pathlib.Path(folder), lambda p: p.name.startswith(".") and TMP_MARK in p.name)
+
+
+def _remove_where(folder: pathlib.Path, chosen: Callable[[pathlib.Path], bool]) -> list[pathlib.Path]:
     import shutil
 
-    removed = []
-    folder = pathlib.Path(folder)
+    removed: list[pathlib.Path] = []
     if not folder.is_dir():
         return removed
+    for p in folder.iterdir():
+        if chosen(p):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
     for p in folder.iterdir():
         if p.name.startswith(".") and TMP_MARK in p.name:
             if p.is_dir() and not p.is_symlink():

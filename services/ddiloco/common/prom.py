@@ -11,6 +11,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,13 +31,25 @@ class HTTPBounds:
 
     ``idle_timeout_s``: a connection whose next read or write waits longer is closed (a
     scrape or a page's poll sends its request at once, and reads its answer at once);
+    ``max_connection_s``: a connection is closed this long after it was accepted, whatever
+    it is doing. The idle timeout bounds each read, not a request: a client that sends its
+    request a byte at a time, each within the idle timeout, or reads its answer as slowly,
+    held its thread for as long as it liked, and eight such clients per address, from four
+    addresses, held every connection the endpoint admits. A scrape or a poll takes well under
+    a second; a client that keeps its connection alive between polls connects again.
     ``max_per_peer``: connections one client address may hold at once, so one client cannot
     take them all; ``max_connections``: all clients together. A connection over a bound is
     closed as soon as it is accepted, without an answer."""
 
     idle_timeout_s: float = 10.0
+    max_connection_s: float = 60.0
     max_connections: int = 32
     max_per_peer: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 < self.idle_timeout_s <= self.max_connection_s:
+            raise ValueError(f"HTTP bounds need 0 < idle timeout <= connection lifetime, got "
+                             f"{self.idle_timeout_s} and {self.max_connection_s} s")
 
 
 class BoundedConnections:
@@ -54,6 +67,7 @@ class BoundedConnections:
         # connections held, by client address (common/slots.py)
         self._open = Slots(bounds.max_per_peer, bounds.max_connections)
         self._releases: dict[int, Release] = {}  # by the connection's socket's id
+        self._lifetimes = Lifetimes(bounds.max_connection_s)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def process_request(self, request, client_address):
@@ -64,9 +78,11 @@ class BoundedConnections:
             return
         request.settimeout(self.bounds.idle_timeout_s)  # every read and write of the connection
         self._releases[id(request)] = release
+        self._lifetimes.start(request)
         try:
             super().process_request(request, client_address)  # type: ignore[misc]
         except BaseException:
+            self._lifetimes.end(request)
             self._releases.pop(id(request), release)()
             raise
 
@@ -74,7 +90,12 @@ class BoundedConnections:
         try:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
+            self._lifetimes.end(request)
             self._releases.pop(id(request), lambda: None)()
+
+    def server_close(self) -> None:
+        self._lifetimes.close()
+        super().server_close()  # type: ignore[misc]
 
     def open_connections(self) -> int:
         return self._open.held()
@@ -85,6 +106,56 @@ class BoundedConnections:
             log.debug("HTTP connection from %s closed: %s", client_address[0], sys.exc_info()[1])
             return
         super().handle_error(request, client_address)  # type: ignore[misc]
+
+
+class Lifetimes:
+    """Ends connections that outlive ``seconds`` (``HTTPBounds.max_connection_s``): one
+    thread, started with the first connection, shuts each one down at its deadline, and the
+    handler's next read or write fails, so its thread ends and its slot is given back."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self._deadlines: dict[int, tuple[float, socket.socket]] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self, conn: socket.socket) -> None:
+        with self._cond:
+            self._deadlines[id(conn)] = (self.clock() + self.seconds, conn)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="http-lifetimes", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def end(self, conn: socket.socket) -> None:
+        with self._cond:
+            self._deadlines.pop(id(conn), None)
+
+    def held(self) -> int:
+        with self._cond:
+            return len(self._deadlines)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = self.clock()
+                due = [key for key, (deadline, _) in self._deadlines.items() if deadline <= now]
+                for key in due:
+                    _, conn = self._deadlines.pop(key)
+                    log.debug("HTTP connection closed: open longer than %.0f s", self.seconds)
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:  # closed by its handler meanwhile
+                        pass
+                nearest = min((deadline for deadline, _ in self._deadlines.values()), default=None)
+                self._cond.wait(None if nearest is None else max(0.0, nearest - now))
 
 
 def family_of(host: str, port: int) -> socket.AddressFamily:
