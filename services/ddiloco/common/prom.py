@@ -133,10 +133,6 @@ class Lifetimes:
         with self._cond:
             self._deadlines.pop(id(conn), None)
 
-    def held(self) -> int:
-        with self._cond:
-            return len(self._deadlines)
-
     def close(self) -> None:
         with self._cond:
             self._closed = True

@@ -14,23 +14,28 @@ parameter count times the bytes per parameter of the learner's last ``KEEP`` upl
 Fragments are whole tensors and differ in size (the default model's eight: 145 kB of int4
 for the largest, 110 kB for the smallest), and their windows end in turn, so a mean over the
 last uploads alone is the mean of whichever fragments sent last: at the start, of the first
-(largest) ones only, and those went at 1.25 x 145 / 130 of the average rate, the run's
-one-second peak (1.59 times the average; docs/wan.md). A download's size is not known before
-it arrives; it is its fragment's share of the parameters, quantized like the uploads. Uploads go one after
-another on one thread, and so do downloads, so a direction never carries more than
-``HEADROOM`` times its average rate, whatever the pattern of window ends: two windows that
-end together (phase alignment lengthens windows, and a fragment's window may then end on
-the same step as the next one's) leave one after the other, each over its own span, instead
-of doubling the rate for one. Measured on steps instead (``0.8 x H/P x step`` per transfer),
-the span followed every swing of the step time, and transfers due together shared one span:
-peak/average 1.77 where this rule is built to stay under 1.5 (docs/wan.md).
+(largest) ones only, and those went at 1.25 x 145 / 130 of the average rate, a probed
+run's one-second peak (1.59 times the average; docs/wan.md). A download's size is not known
+before it arrives; it is its fragment's share of the parameters, quantized like the uploads.
+
+Uploads go one after another on one thread, and so do downloads, so a direction never
+carries more than ``HEADROOM`` times its average rate, whatever the pattern of window ends:
+two windows that end together (phase alignment lengthens windows, and a fragment's window
+may then end on the same step as the next one's) leave one after the other, each over its
+own span, instead of doubling the rate for one. Measured on steps instead (``0.8 x H/P x
+step`` per transfer), the span followed every swing of the step time, and transfers due
+together shared one span: peak/average 1.77 where this rule is built to stay under 1.5
+(docs/wan.md).
 
 Bounds:
 
 * ``HEADROOM`` 1.25: the link at most 1.25 times the average, so within the 1.5 the
   bandwidth bench holds it to with room for one-second windows that catch the ends of two
   transfers; and a transfer takes 0.8 of the mean interval, so the queue of a direction
-  drains between bursts.
+  drains between bursts. The average is the current one (the last ``KEEP`` windows): a
+  learner whose windows end faster than its mean for a while (its first seconds, on a host
+  whose cores it shares) sends that much faster, and the bench, which reads the run's mean,
+  sees it (docs/wan.md).
 * The overlap: a span is at most ``OVERLAP_SHARE`` of the overlap tau (default H), in
   seconds at the learner's rate (tau / H windows of each fragment, P fragments per window
   rate). The merged version must reach the learner within tau steps of its upload; an
