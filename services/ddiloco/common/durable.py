@@ -136,11 +136,3 @@ def _remove_where(folder: pathlib.Path, chosen: Callable[[pathlib.Path], bool]) 
                 p.unlink(missing_ok=True)
             removed.append(p)
     return removed
-    for p in folder.iterdir():
-        if p.name.startswith(".") and TMP_MARK in p.name:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed.append(p)
-    return removed
