@@ -258,3 +258,85 @@ def test_the_cache_lock_is_held_where_it_can_be_taken_and_skipped_where_not(tmp_
     again = quantize_cpu._lock(str(tmp_path / "k.lock"), wait_s=60)  # released: taken
     assert again is not None
     os.close(again)
+
+
+_LOAD = """
+import sys
+from ddiloco.common import quantize_cpu as k
+print(k.lock_path(k.quantize), flush=True)
+sys.stdin.readline()
+k.ready()
+hits = sum(sum(f.stats.cache_hits.values()) for f in (k.quantize, k.dequantize))
+misses = sum(sum(f.stats.cache_misses.values()) for f in (k.quantize, k.dequantize))
+print(hits, misses, flush=True)
+"""
+
+
+def _start_loader(env):
+    proc = subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, pathlib.Path(proc.stdout.readline().strip())
+
+
+def _filled_cache(tmp_path) -> tuple[dict, pathlib.Path]:
+    """A cache one process filled with every version, and its marker."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    proc, lock = _start_loader(env)
+    out, err = proc.communicate("go\n", timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == ["0", "6"]  # an empty cache: every version compiled (and saved)
+    markers = list(lock.parent.glob(lock.name + ".*.complete"))
+    assert len(markers) == 1, markers
+    return env, markers[0]
+
+
+def test_processes_that_find_a_complete_cache_load_it_together(tmp_path):
+    """Loading held the exclusive lock too, so the learners of one host loaded the kernels
+    one after another and began training up to 10 s apart (docs/quality.md, M = 8). Once a
+    process has saved every version (its marker written), the next ones load under a shared
+    lock: one loads while another holds it shared, without waiting (before, it waited for
+    the exclusive lock, LOCK_WAIT_S = 120 s, past this test's minute)."""
+    env, _ = _filled_cache(tmp_path)
+    proc, lock = _start_loader(env)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # another process loading
+        out, err = proc.communicate("go\n", timeout=60)
+    finally:
+        os.close(fd)
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == ["6", "0"]  # every version loaded from the cache, none compiled
+
+
+def test_a_marker_over_an_incomplete_cache_saves_nothing_beside_others_and_is_removed(tmp_path):
+    """Should the cache lose a version while its marker stays, the process that finds it
+    missing compiles it without saving (saving beside a process that loads is what the lock
+    exists to prevent), waits for the exclusive lock, and removes the marker; the next
+    process then compiles and saves under the exclusive lock, as with an empty cache."""
+    env, marker = _filled_cache(tmp_path)
+    for saved in marker.parent.glob("quantize_cpu.quantize-*"):
+        saved.unlink()  # the quantizer's index and code: gone
+    proc, lock = _start_loader(env)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 120
+        while not _waits_for_a_lock(proc.pid):  # loaded (and missed) beside us: now it wants the lock alone
+            assert proc.poll() is None, "it went on without the exclusive lock: " + proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "it never asked for the exclusive lock"
+            time.sleep(0.01)
+        assert not list(marker.parent.glob("quantize_cpu.quantize-*")), "it saved beside another holder"
+    finally:
+        os.close(fd)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == ["4", "2"]  # the dequantizer's four loaded, the quantizer's two compiled
+    assert not marker.exists()
+    proc, _ = _start_loader(env)
+    out, err = proc.communicate("go\n", timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert out.split() == ["4", "2"]  # compiled again, and saved this time
+    assert marker.exists() and list(marker.parent.glob("quantize_cpu.quantize-*.nbi"))

@@ -32,8 +32,10 @@ training thread and an outer optimizer's other RPCs go on while a payload is enc
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
+import sys
 import threading
 
 import numba as nb
@@ -68,9 +70,9 @@ _ready_lock = threading.Lock()
 LOCK_WAIT_S = 120.0
 
 
-def _lock(path: str | None, wait_s: float = LOCK_WAIT_S) -> int | None:
-    """A descriptor holding an exclusive flock on ``path``, or None where there is none to
-    take: no cache, a folder this user cannot write (numba saves nothing there either), a
+def _lock(path: str | None, wait_s: float = LOCK_WAIT_S, shared: bool = False) -> int | None:
+    """A descriptor holding an exclusive (``shared``: a shared) flock on ``path``, or None
+    where there is none to take: no cache, a folder this user cannot write (numba saves nothing there either), a
     file system without flock, or a holder that keeps it past ``wait_s``. Without it the
     process compiles as numba alone would."""
     if path is None:
@@ -87,7 +89,7 @@ def _lock(path: str | None, wait_s: float = LOCK_WAIT_S) -> int | None:
 
     def take() -> None:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             outcome = "held"
         except OSError:  # a file system without flock: go on as numba alone would
             outcome = "failed"
@@ -128,6 +130,51 @@ def _versions() -> list[tuple]:
     return out
 
 
+def complete_marker(lock: str | None) -> str | None:
+    """The file beside the lock that says every version the codec uses is saved in this
+    cache for what numba checks a saved version against: this module's source (its
+    modification time and size), numba's and Python's versions and the CPU the code is
+    compiled for. A process writes it under the exclusive lock once it has saved them all."""
+    if lock is None:
+        return None
+    try:
+        st = os.stat(__file__)
+        cpu = quantize.targetctx.codegen().magic_tuple()
+    except (OSError, AttributeError):  # no source file, or a numba without these: no marker
+        return None
+    key = (nb.__version__, sys.version_info[:2], st.st_mtime_ns, st.st_size, cpu)
+    return f"{lock}.{hashlib.sha256(repr(key).encode()).hexdigest()[:16]}.complete"
+
+
+def _load_saved() -> bool:
+    """Call every version, saving nothing to the cache: True if each was loaded from it. A
+    version missing from it compiles in this process alone, unsaved (saving is what must
+    never happen beside another process), and the answer is False."""
+    kernels = (quantize, dequantize)
+    misses = sum(sum(k.stats.cache_misses.values()) for k in kernels)
+    for k in kernels:
+        k._cache.save_overload = lambda sig, data: None  # the instance's, over the class's
+    try:
+        for kernel, args in _versions():
+            kernel(*args)
+    finally:
+        for k in kernels:
+            del k._cache.save_overload
+    return sum(sum(k.stats.cache_misses.values()) for k in kernels) == misses
+
+
+def _set_marker(marker: str, complete: bool) -> None:
+    """Write (or, for a cache found incomplete, remove) ``marker``; a failure only costs
+    later processes the shared lock."""
+    try:
+        if complete:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT, 0o666))
+        else:
+            os.unlink(marker)
+    except OSError as exc:
+        log.debug("kernel cache marker %s: %s", marker, exc)
+
+
 def ready() -> None:
     """Compile (or load from the cache) every version the codec uses, once per process,
     holding a file lock in the cache folder. Why: numba's cache keeps one index per
@@ -138,17 +185,40 @@ def ready() -> None:
     name one version's machine code for the other's signature: called with arrays it was
     not compiled for, a kernel that skips bounds checks writes past them. Under the lock
     one process compiles and saves the versions, in one order, while the others wait, then
-    load what it saved."""
+    writes ``complete_marker``.
+
+    A process that finds the marker only loads, under a *shared* lock, beside the others
+    that load: held exclusively for loading too, the lock made the learners of one host
+    load one after another (about 0.2 s each on an idle machine, seconds each once the first
+    learners train on the same cores), so their training began up to 10 s apart and the
+    first to start trained alone (docs/quality.md, M = 8). Should a version be missing all
+    the same (cache files removed), it compiles unsaved, the marker is removed, and the
+    process goes on as one that found none."""
     global _ready
     if _ready:  # every call after the first
         return
     with _ready_lock:
         if _ready:
             return
-        fd = _lock(lock_path(quantize))
+        lock = lock_path(quantize)
+        marker = complete_marker(lock)
+        unsaved = False  # a version this process compiled without saving it
+        if marker is not None and os.path.exists(marker):
+            fd = _lock(lock, shared=True)
+            if fd is not None:
+                try:
+                    unsaved = not _load_saved()
+                finally:
+                    os.close(fd)
+                if not unsaved:
+                    _ready = True
+                    return
+        fd = _lock(lock)
         try:
-            for kernel, args in _versions():
+            for kernel, args in _versions():  # loaded, or compiled and saved, under the lock
                 kernel(*args)
+            if fd is not None and marker is not None:
+                _set_marker(marker, complete=not unsaved)
         finally:
             if fd is not None:
                 os.close(fd)  # releases the lock
