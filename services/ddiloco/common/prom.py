@@ -66,23 +66,28 @@ class BoundedConnections:
         self.bounds = bounds
         # connections held, by client address (common/slots.py)
         self._open = Slots(bounds.max_per_peer, bounds.max_connections)
-        self._releases: dict[int, Release] = {}  # by the connection's socket's id
+        # what ends each connection's hold (its slot, its lifetime), by its socket's id
+        self._releases: dict[int, Release] = {}
         self._lifetimes = Lifetimes(bounds.max_connection_s)
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
 
     def process_request(self, request, client_address):
-        release = self._open.claim(client_address[0])
-        if release is None:
+        slot = self._open.claim(client_address[0])
+        if slot is None:
             log.debug("HTTP connection from %s closed: over the bounds %s", client_address[0], self.bounds)
             self.shutdown_request(request)
             return
         request.settimeout(self.bounds.idle_timeout_s)  # every read and write of the connection
-        self._releases[id(request)] = release
         self._lifetimes.start(request)
+
+        def release() -> None:
+            self._lifetimes.end(request)
+            slot()
+
+        self._releases[id(request)] = release
         try:
             super().process_request(request, client_address)  # type: ignore[misc]
         except BaseException:
-            self._lifetimes.end(request)
             self._releases.pop(id(request), release)()
             raise
 
@@ -90,7 +95,6 @@ class BoundedConnections:
         try:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
-            self._lifetimes.end(request)
             self._releases.pop(id(request), lambda: None)()
 
     def server_close(self) -> None:

@@ -72,9 +72,9 @@ LOCK_WAIT_S = 120.0
 
 def _lock(path: str | None, wait_s: float = LOCK_WAIT_S, shared: bool = False) -> int | None:
     """A descriptor holding an exclusive (``shared``: a shared) flock on ``path``, or None
-    where there is none to take: no cache, a folder this user cannot write (numba saves nothing there either), a
-    file system without flock, or a holder that keeps it past ``wait_s``. Without it the
-    process compiles as numba alone would."""
+    where there is none to take: no cache, a folder this user cannot write (numba saves
+    nothing there either), a file system without flock, or a holder that keeps it past
+    ``wait_s``. Without it the process compiles as numba alone would."""
     if path is None:
         return None
     try:  # flock needs no write access: a read-only descriptor serves any user
