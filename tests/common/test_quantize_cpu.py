@@ -340,3 +340,47 @@ def test_a_marker_over_an_incomplete_cache_saves_nothing_beside_others_and_is_re
     assert proc.returncode == 0, err[-2000:]
     assert out.split() == ["4", "2"]  # compiled again, and saved this time
     assert marker.exists() and list(marker.parent.glob("quantize_cpu.quantize-*.nbi"))
+
+
+_LOAD_RECORDING_MODE = _LOAD.replace("k.ready()", """
+import os, pathlib
+versions = k._versions
+def recording():  # the lock this process holds as it calls the kernels
+    mine = [l.split()[3] for l in pathlib.Path("/proc/locks").read_text().splitlines()
+            if "->" not in l and l.split()[4] == str(os.getpid())]
+    print(*mine, flush=True)
+    return versions()
+k._versions = recording
+k.ready()
+""")
+
+
+def test_a_process_that_waited_for_a_compile_loads_under_the_shared_lock(tmp_path):
+    """Processes started together on an empty cache all ask for the exclusive lock; one
+    compiles and saves. Each of the others, once it holds the lock and finds the marker the
+    first one wrote, lets it go and loads under the shared lock (before, it loaded holding
+    the exclusive one, so they loaded one after another)."""
+    env, marker = _filled_cache(tmp_path)
+    marker.unlink()  # what a process that started before the first one saved found
+    proc = subprocess.Popen([sys.executable, "-c", _LOAD_RECORDING_MODE], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = pathlib.Path(proc.stdout.readline().strip())
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the process compiling
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            deadline = time.monotonic() + 60
+            while not _waits_for_a_lock(proc.pid):
+                assert proc.poll() is None, "it went on without the lock: " + proc.stderr.read()[-2000:]
+                assert time.monotonic() < deadline, "it never asked for the lock"
+                time.sleep(0.01)
+            marker.touch()  # every version saved
+        finally:
+            os.close(fd)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    assert out.splitlines() == ["READ", "6 0"]  # loaded under the shared lock, nothing compiled

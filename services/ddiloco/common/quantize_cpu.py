@@ -163,6 +163,17 @@ def _load_saved() -> bool:
     return sum(sum(k.stats.cache_misses.values()) for k in kernels) == misses
 
 
+def _load_shared(lock: str | None) -> bool | None:
+    """``_load_saved`` under a shared lock: None where that lock cannot be taken."""
+    fd = _lock(lock, shared=True)
+    if fd is None:
+        return None
+    try:
+        return _load_saved()
+    finally:
+        os.close(fd)
+
+
 def _set_marker(marker: str, complete: bool) -> None:
     """Write (or, for a cache found incomplete, remove) ``marker``; a failure only costs
     later processes the shared lock."""
@@ -193,7 +204,10 @@ def ready() -> None:
     learners train on the same cores), so their training began up to 10 s apart and the
     first to start trained alone (docs/quality.md, M = 8). Should a version be missing all
     the same (cache files removed), it compiles unsaved, the marker is removed, and the
-    process goes on as one that found none."""
+    process goes on as one that found none. A process that waited for the exclusive lock
+    while another compiled looks for the marker again once it holds it, and loads under the
+    shared lock if it is there: processes started together on an empty cache load beside
+    one another once the first has saved, not one after another."""
     global _ready
     if _ready:  # every call after the first
         return
@@ -202,18 +216,26 @@ def ready() -> None:
             return
         lock = lock_path(quantize)
         marker = complete_marker(lock)
+
+        def marked() -> bool:  # a process saved every version (complete_marker)
+            return marker is not None and os.path.exists(marker)
+
         unsaved = False  # a version this process compiled without saving it
-        if marker is not None and os.path.exists(marker):
-            fd = _lock(lock, shared=True)
-            if fd is not None:
-                try:
-                    unsaved = not _load_saved()
-                finally:
-                    os.close(fd)
-                if not unsaved:
-                    _ready = True
-                    return
+        if marked():
+            loaded = _load_shared(lock)
+            if loaded:
+                _ready = True
+                return
+            unsaved = loaded is False
         fd = _lock(lock)
+        if fd is not None and not unsaved and marked():
+            os.close(fd)  # saved by the process this one waited for: load beside the others
+            loaded = _load_shared(lock)
+            if loaded:
+                _ready = True
+                return
+            unsaved = loaded is False
+            fd = _lock(lock)
         try:
             for kernel, args in _versions():  # loaded, or compiled and saved, under the lock
                 kernel(*args)
