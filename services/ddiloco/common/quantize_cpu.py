@@ -212,39 +212,39 @@ def ready() -> None:
     if _ready:  # every call after the first
         return
     with _ready_lock:
-        if _ready:
+        if not _ready:
+            _prepare(lock_path(quantize))
+            _ready = True
+
+
+def _prepare(lock: str | None) -> None:
+    """``ready``'s work: load every version beside the others where the marker says the
+    cache holds them all, else compile (or load) and save them under the exclusive lock."""
+    marker = complete_marker(lock)
+
+    def marked() -> bool:  # a process saved every version
+        return marker is not None and os.path.exists(marker)
+
+    unsaved = False  # a version this process compiled without saving it
+    if marked():
+        if loaded := _load_shared(lock):
             return
-        lock = lock_path(quantize)
-        marker = complete_marker(lock)
-
-        def marked() -> bool:  # a process saved every version (complete_marker)
-            return marker is not None and os.path.exists(marker)
-
-        unsaved = False  # a version this process compiled without saving it
-        if marked():
-            loaded = _load_shared(lock)
-            if loaded:
-                _ready = True
-                return
-            unsaved = loaded is False
+        unsaved = loaded is False
+    fd = _lock(lock)
+    if fd is not None and not unsaved and marked():
+        os.close(fd)  # saved by the process this one waited for: load beside the others
+        if loaded := _load_shared(lock):
+            return
+        unsaved = loaded is False
         fd = _lock(lock)
-        if fd is not None and not unsaved and marked():
-            os.close(fd)  # saved by the process this one waited for: load beside the others
-            loaded = _load_shared(lock)
-            if loaded:
-                _ready = True
-                return
-            unsaved = loaded is False
-            fd = _lock(lock)
-        try:
-            for kernel, args in _versions():  # loaded, or compiled and saved, under the lock
-                kernel(*args)
-            if fd is not None and marker is not None:
-                _set_marker(marker, complete=not unsaved)
-        finally:
-            if fd is not None:
-                os.close(fd)  # releases the lock
-        _ready = True
+    try:
+        for kernel, args in _versions():  # loaded, or compiled and saved, under the lock
+            kernel(*args)
+        if fd is not None and marker is not None:
+            _set_marker(marker, complete=not unsaved)
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 @_njit
