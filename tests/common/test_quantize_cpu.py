@@ -201,6 +201,22 @@ def _waits_for_a_lock(pid: int) -> bool:
     return any("->" in line and f" {pid} " in line for line in pathlib.Path("/proc/locks").read_text().splitlines())
 
 
+def _until_it_waits_for(proc: subprocess.Popen, what: str, within_s: float) -> None:
+    """Poll (an observable state) until ``proc`` is blocked asking for ``what``."""
+    deadline = time.monotonic() + within_s
+    while not _waits_for_a_lock(proc.pid):
+        assert proc.poll() is None, f"it went on without {what}: " + proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, f"it never asked for {what}"
+        time.sleep(0.01)
+
+
+def _start(script: str, env) -> tuple[subprocess.Popen, pathlib.Path]:
+    """``script`` in a process of its own; it prints the lock's path, then waits for a line."""
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, pathlib.Path(proc.stdout.readline().strip())
+
+
 def test_a_process_compiles_every_version_only_under_the_cache_lock(tmp_path):
     """Two processes saving kernels to numba's cache at once can leave its index naming one
     version's machine code for another's signature (``quantize_cpu.ready``). A process with
@@ -209,21 +225,15 @@ def test_a_process_compiles_every_version_only_under_the_cache_lock(tmp_path):
     payloads read-only or not, error feedback, what was sent) needs no other."""
     cache = tmp_path / "cache"
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
-    proc = subprocess.Popen([sys.executable, "-c", _EVERY_USE], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, lock = _start(_EVERY_USE, env)
     try:
-        lock = pathlib.Path(proc.stdout.readline().strip())
         assert cache in lock.parents, lock
         fd = os.open(lock, os.O_RDONLY | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            deadline = time.monotonic() + 60
-            while not _waits_for_a_lock(proc.pid):  # an observable state, polled
-                assert proc.poll() is None, "it went on without waiting for the lock: " + proc.stderr.read()[-2000:]
-                assert time.monotonic() < deadline, "it never waited for the lock"
-                time.sleep(0.01)
+            _until_it_waits_for(proc, "the lock", within_s=60)
             assert not list(cache.rglob("*.nbi")), "it compiled and saved before it held the lock"
         finally:
             os.close(fd)  # releases the lock
@@ -272,16 +282,10 @@ print(hits, misses, flush=True)
 """
 
 
-def _start_loader(env):
-    proc = subprocess.Popen([sys.executable, "-c", _LOAD], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc, pathlib.Path(proc.stdout.readline().strip())
-
-
 def _filled_cache(tmp_path) -> tuple[dict, pathlib.Path]:
     """A cache one process filled with every version, and its marker."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    proc, lock = _start_loader(env)
+    proc, lock = _start(_LOAD, env)
     out, err = proc.communicate("go\n", timeout=300)
     assert proc.returncode == 0, err[-2000:]
     assert out.split() == ["0", "6"]  # an empty cache: every version compiled (and saved)
@@ -297,7 +301,7 @@ def test_processes_that_find_a_complete_cache_load_it_together(tmp_path):
     lock: one loads while another holds it shared, without waiting (before, it waited for
     the exclusive lock, LOCK_WAIT_S = 120 s, past this test's minute)."""
     env, _ = _filled_cache(tmp_path)
-    proc, lock = _start_loader(env)
+    proc, lock = _start(_LOAD, env)
     fd = os.open(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # another process loading
@@ -317,17 +321,14 @@ def test_a_marker_over_an_incomplete_cache_saves_nothing_beside_others_and_is_re
     env, marker = _filled_cache(tmp_path)
     for saved in marker.parent.glob("quantize_cpu.quantize-*"):
         saved.unlink()  # the quantizer's index and code: gone
-    proc, lock = _start_loader(env)
+    proc, lock = _start(_LOAD, env)
     fd = os.open(lock, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        deadline = time.monotonic() + 120
-        while not _waits_for_a_lock(proc.pid):  # loaded (and missed) beside us: now it wants the lock alone
-            assert proc.poll() is None, "it went on without the exclusive lock: " + proc.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "it never asked for the exclusive lock"
-            time.sleep(0.01)
+        # loaded (and missed) beside us: now it wants the lock alone
+        _until_it_waits_for(proc, "the exclusive lock", within_s=120)
         assert not list(marker.parent.glob("quantize_cpu.quantize-*")), "it saved beside another holder"
     finally:
         os.close(fd)
@@ -335,7 +336,7 @@ def test_a_marker_over_an_incomplete_cache_saves_nothing_beside_others_and_is_re
     assert proc.returncode == 0, err[-2000:]
     assert out.split() == ["4", "2"]  # the dequantizer's four loaded, the quantizer's two compiled
     assert not marker.exists()
-    proc, _ = _start_loader(env)
+    proc, _ = _start(_LOAD, env)
     out, err = proc.communicate("go\n", timeout=300)
     assert proc.returncode == 0, err[-2000:]
     assert out.split() == ["4", "2"]  # compiled again, and saved this time
@@ -362,20 +363,14 @@ def test_a_process_that_waited_for_a_compile_loads_under_the_shared_lock(tmp_pat
     the exclusive one, so they loaded one after another)."""
     env, marker = _filled_cache(tmp_path)
     marker.unlink()  # what a process that started before the first one saved found
-    proc = subprocess.Popen([sys.executable, "-c", _LOAD_RECORDING_MODE], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, lock = _start(_LOAD_RECORDING_MODE, env)
     try:
-        lock = pathlib.Path(proc.stdout.readline().strip())
         fd = os.open(lock, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # the process compiling
             proc.stdin.write("go\n")
             proc.stdin.flush()
-            deadline = time.monotonic() + 60
-            while not _waits_for_a_lock(proc.pid):
-                assert proc.poll() is None, "it went on without the lock: " + proc.stderr.read()[-2000:]
-                assert time.monotonic() < deadline, "it never asked for the lock"
-                time.sleep(0.01)
+            _until_it_waits_for(proc, "the lock", within_s=60)
             marker.touch()  # every version saved
         finally:
             os.close(fd)
