@@ -21,6 +21,11 @@ learners) and the eval curve all along, two seeds each:
                        lengthened windows of phase alignment cost from what the overlap
                        (learners training on while a merge is in flight) costs
 
+``--warm-start-steps W`` starts every method from one serial warm start per seed: one
+learner trains W inner steps alone (``ddiloco run --warm-start-steps``, launcher/warm_start.py),
+and dp, diloco-sync and the asynchronous rows all start from its model with the rest of the
+budget; each row's tokens, curve and wall seconds include the phase's.
+
 A seed sets the initial model (RunConfig.seed) and the order the shards are read in
 (DataConfig.seed = 1234 + seed); the split of the corpus is the same for every seed.
 Runs go one after the other, M by M, seed by seed; ddiloco-int8-slow runs right after
@@ -100,6 +105,37 @@ def learner_rates(report: dict, events: list[dict]) -> dict[str, dict]:
         out[str(lr["learner_id"])] = {"tokens": lr["tokens"], "tokens_per_s": lr["tokens"] / wall if wall > 0 else None,
                                       "slow": lr["learner_id"] in slowed}
     return out
+
+
+def run_warm_start(cfg, steps: int, budget: int, run_dir: pathlib.Path, cfg_path: pathlib.Path, device: str,
+                   step_seconds: float = 0.0) -> dict:
+    """The serial warm start of one seed, as ``ddiloco run --warm-start-steps`` trains it (the
+    same flags, launcher/warm_start.py); its result and eval curve. It does not depend on M:
+    one learner reads the whole corpus in the seed's order."""
+    from ddiloco.launcher import warm_start
+
+    base = ["--config", str(cfg_path), "--max-tokens", str(budget), "--max-seconds", str(cfg.max_seconds)]
+    phase_plan = warm_start.plan(cfg, steps, cfg.learner.batch_size * cfg.model.context)
+    report = cb.run_ddiloco(run_dir, warm_start.phase_flags(base, cfg, phase_plan), 1, device, step_seconds=step_seconds)
+    done = warm_start.read_result(run_dir)
+    curve = cb.eval_curve(cb.read_events(run_dir))
+    if not curve or curve[-1][0] < done.tokens:
+        curve.append((done.tokens, float(report["final_eval_loss"])))
+    return {"steps": phase_plan.steps, "tokens": done.tokens, "seconds": done.seconds,
+            "initial_eval_loss": done.initial_eval_loss, "final_eval_loss": done.final_eval_loss,
+            "folder": str(run_dir), "curve": [[int(t), round(v, 5)] for t, v in curve]}
+
+
+def with_warm_start(row: dict, warm: dict) -> dict:
+    """``row`` of a run started from ``warm``, counted from the seed's initialisation: the
+    phase's tokens, time and curve first, the run's curve after them."""
+    shift = warm["tokens"]
+    row["tokens"] += shift
+    row["wall_seconds"] = round(row["wall_seconds"] + warm["seconds"], 3)
+    row["curve"] = warm["curve"] + [[t + shift, v] for t, v in row["curve"] if t > 0]
+    row["extra"]["initial_eval_loss"] = warm["initial_eval_loss"]
+    row["extra"]["warm_start"] = {k: warm[k] for k in ("steps", "tokens", "seconds", "final_eval_loss", "folder")}
+    return row
 
 
 def run_one(method: str, m: int, seed: int, budget: int, cfg_path: pathlib.Path, run_dir: pathlib.Path,
@@ -358,6 +394,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="B (default 8; quick 4)")
     p.add_argument("--eval-interval", type=float, default=None, help="seconds between evaluations (default 5; quick 1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--warm-start-steps", type=int, default=0, metavar="W",
+                   help="every method starts from one serial warm start of W inner steps per seed, counted in the "
+                        "budget (default 0: from the seed's initialisation)")
     p.add_argument("--step-seconds", type=float, default=0.0, metavar="T",
                    help="emulated dedicated hardware: every learner's (and dp rank's) step takes at least T s, so "
                         "that step times are regular instead of set by M processes sharing the cores (default 0: off)")
@@ -381,6 +420,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.eval_interval = args.eval_interval or (1.0 if q else 5.0)
     if any(m < 1 for m in args.learners) or not args.seeds:
         p.error("--learners must be positive and --seeds non-empty")
+    if args.warm_start_steps < 0:
+        p.error(f"--warm-start-steps must be at least 0, got {args.warm_start_steps}")
     if not (0.0 <= args.step_seconds < 10.0):
         p.error(f"--step-seconds must be in [0, 10), got {args.step_seconds}")
     return args
@@ -438,11 +479,24 @@ def main(argv: list[str] | None = None) -> int:
             configs[(m, seed)] = (cfg, path)
     print(f"quality_scale: {len(runs_plan)} runs of {args.tokens:,} tokens; runs in {runs}", file=sys.stderr)
     rows = []
+    warm: dict[int, dict] = {}  # seed -> its warm start, shared by every M and method
     t_start = time.monotonic()
     for m, seed, method in runs_plan:
+        cfg_path, budget = configs[(m, seed)][1], args.tokens
+        if args.warm_start_steps:
+            if seed not in warm:
+                print(f"[{time.monotonic() - t_start:7.0f}s] seed {seed} warm start ...", file=sys.stderr, flush=True)
+                warm[seed] = run_warm_start(configs[(m, seed)][0], args.warm_start_steps, args.tokens,
+                                            runs / f"warm-start-seed{seed}", cfg_path, args.device, args.step_seconds)
+            cfg_path = runs / f"config-M{m}-seed{seed}-warm.json"
+            cfg = configs[(m, seed)][0]
+            cfg_path.write_text(json.dumps({**json.loads(cfg.to_json()), "init_from": warm[seed]["folder"]}))
+            budget = args.tokens - warm[seed]["tokens"]
         print(f"[{time.monotonic() - t_start:7.0f}s] M={m} seed {seed} {method} ...", file=sys.stderr, flush=True)
-        row = run_one(method, m, seed, args.tokens, configs[(m, seed)][1], runs / f"M{m}-seed{seed}-{method}", args.device,
+        row = run_one(method, m, seed, budget, cfg_path, runs / f"M{m}-seed{seed}-{method}", args.device,
                       args.step_seconds)
+        if args.warm_start_steps:
+            row = with_warm_start(row, warm[seed])
         rows.append(row)
         print(f"          final eval loss {row['final_eval_loss']:.4f}, {row['tokens']:,} tokens, "
               f"{row['extra']['elapsed_seconds']:.0f}s", file=sys.stderr, flush=True)
@@ -458,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
             "methods": [x for x in METHODS if x in args.method_list], "extras_at": args.extras_at,
             "model": "tiny", "inner_steps": args.inner_steps, "batch_size": args.batch_size,
             "eval_interval_s": args.eval_interval, "slow": {"learner": "M-1", "factor": SLOW_FACTOR},
+            "warm_start_steps": args.warm_start_steps,
+            "warm_starts": {str(s): {k: w[k] for k in ("steps", "tokens", "seconds", "final_eval_loss")} for s, w in warm.items()},
             "seed_meaning": "RunConfig.seed = seed (initial model), DataConfig.seed = 1234 + seed (shard reading order)",
             "method_flags": {x: method_flags(x, "M") for x in METHODS},  # type: ignore[arg-type]
             "run_config_example": json.loads(first_cfg.to_json()),

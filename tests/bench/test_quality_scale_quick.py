@@ -170,3 +170,29 @@ def test_eval_swing_is_the_spread_of_successive_changes_in_the_tail():
     zigzag = [[800 + 25 * i, 2.0 + (0.01 if i % 2 else -0.01)] for i in range(9)]
     assert q.eval_swing(zigzag, 1000) == pytest.approx(0.02, abs=1e-6)
     assert q.eval_swing([[990, 2.0], [1000, 2.0]], 1000) is None  # too few points to say
+
+
+def test_a_warm_started_comparison_starts_every_method_from_one_serial_phase(tmp_path):
+    """``--warm-start-steps``: one phase per seed, trained as ``ddiloco run`` trains it, and
+    both dp and synchronous DiLoCo start from its model; each row counts the phase's tokens
+    and begins with its curve."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "quality_scale.py"), "--quick", "--methods", "dp,diloco-sync",
+         "--warm-start-steps", "10", "--results-dir", str(tmp_path / "results"), "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "quality_scale-quick.json").read_text())
+    warm = doc["config"]["warm_starts"]["0"]
+    assert doc["config"]["warm_start_steps"] == 10
+    assert warm["steps"] == 10 and warm["tokens"] == 10 * 4 * 64  # two windows of H = 5, batch 4, context 64
+    phase = json.loads((tmp_path / "runs" / "warm-start-seed0" / "report.json").read_text())
+    assert phase["tokens_trained"] == warm["tokens"]
+    for r in doc["rows"]:
+        run = tmp_path / "runs" / f"M2-seed0-{r['method']}"
+        assert json.loads((run / "report.json").read_text())["initial_eval_loss"] == pytest.approx(warm["final_eval_loss"], abs=1e-6)
+        assert r["tokens"] >= doc["config"]["tokens"]
+        assert r["curve"][0] == [0, pytest.approx(phase["initial_eval_loss"], abs=1e-5)]
+        assert [warm["tokens"], pytest.approx(warm["final_eval_loss"], abs=1e-5)] in r["curve"]
+        assert [p[0] for p in r["curve"]] == sorted(p[0] for p in r["curve"])
+        assert r["extra"]["warm_start"]["tokens"] == warm["tokens"]

@@ -51,7 +51,7 @@ _FLAGS: list[tuple[str, str, type, str]] = [
 # are --world-size) and logs its training loss every --inner-steps steps.
 DP_FLAGS = frozenset({
     "--config", "--model", "--workload", "--workload-arg", "--run-id", "--learners", "--max-seconds", "--max-tokens", "--seed", "--data",
-    "--data-bytes", "--inner-steps", "--batch-size", "--lr", "--eval-interval",
+    "--data-bytes", "--inner-steps", "--batch-size", "--lr", "--eval-interval", "--init-from",
 })
 
 

@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--insecure", action="store_true",
         help="no TLS between the services (default: a fresh CA and mutual TLS, certificates in RUN/tls)",
     )
+    parser.add_argument(
+        "--warm-start-steps", type=int, default=None, metavar="N",
+        help="first train N inner steps (whole windows of H) with one learner alone, serially, and start the run "
+        "from its model; its tokens and time count in the run's budget (default: off; docs/algorithm.md, Warm start)",
+    )
     _topology_arguments(parser)
     add_run_flags(parser)
     apply_env_defaults(parser)
@@ -66,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.topology import TopologyOptions
 
     if args.resume is not None:
-        refused = [flag for flag, given in (("--out", args.out), ("--config", args.config), ("--init-from", args.init_from))
+        refused = [flag for flag, given in (("--out", args.out), ("--config", args.config), ("--init-from", args.init_from),
+                                            ("--warm-start-steps", args.warm_start_steps))
                    if given is not None]
         if refused:
             print(f"ddiloco run: error: --resume continues the run in its own folder with its own configuration; "
@@ -99,9 +105,12 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.workloads import WorkloadError
     from ddiloco.workloads.preflight import preflight
 
+    from ddiloco.launcher import warm_start
+
     try:
-        preflight(config)  # the workload tried once, before a run folder or a process exists
-    except WorkloadError as exc:
+        workload = preflight(config)  # the workload tried once, before a run folder or a process exists
+        warm = None if args.warm_start_steps is None else warm_start.plan(config, args.warm_start_steps, workload.step_weight())
+    except (WorkloadError, warm_start.WarmStartError) as exc:
         print(f"ddiloco run: error: {exc}", file=sys.stderr)
         return 2
     out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -157,6 +166,10 @@ def main(args: argparse.Namespace) -> int:
 
         errors += (NetnsError, TcError)
     try:
+        if warm is not None:
+            code = _warm_start(options, config, warm)
+            if code:
+                return code
         result = launch(options)
     except errors as exc:
         print(f"ddiloco run: {exc}", file=sys.stderr)
@@ -175,6 +188,42 @@ def main(args: argparse.Namespace) -> int:
         signum = getattr(signal, result.signal_name or "SIGINT", signal.SIGINT)
         return 128 + int(signum)
     return 0 if result.ok else 1
+
+
+def _warm_start(options, config, warm) -> int:
+    """Train the warm start into RUN/warm-start and point ``options`` at it: 0, or the exit
+    code of a phase that did not finish (the run does not start)."""
+    import dataclasses
+
+    from ddiloco.launcher import warm_start
+    from ddiloco.launcher.run import RunFolderInUse, launch
+
+    if (options.out / "report.json").exists():
+        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out")
+    folder = options.out / warm_start.FOLDER
+    print(f"warm start: one learner trains {warm.steps} inner steps ({warm.tokens:,} tokens) alone in {folder}",
+          file=sys.stderr, flush=True)
+    phase = dataclasses.replace(
+        options, out=folder, run_flags=warm_start.phase_flags(options.run_flags, config, warm), learners=1,
+        outer_shards=1, slowdown={0: options.slowdown[0]} if 0 in options.slowdown else {})
+    result = launch(phase)
+    if result.interrupted:
+        signum = getattr(signal, result.signal_name or "SIGINT", signal.SIGINT)
+        return 128 + int(signum)
+    if not result.ok:
+        for name, code in result.failures.items():
+            print(f"warm start: service {name} failed with exit code {code}; see {folder}/logs/{name}.log", file=sys.stderr)
+        print("warm start: it did not finish; the run was not started", file=sys.stderr)
+        return 1
+    done = warm_start.read_result(folder)
+    try:
+        options.run_flags = warm_start.run_flags_after(options.run_flags, config, done)
+    except warm_start.WarmStartError as exc:
+        print(f"ddiloco run: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"warm start: eval loss {_loss(done.initial_eval_loss)} -> {_loss(done.final_eval_loss)}, {done.tokens:,} tokens "
+          f"in {done.seconds:.1f} s; the run starts from it", file=sys.stderr, flush=True)
+    return 0
 
 
 def _loss(value: float | None) -> str:

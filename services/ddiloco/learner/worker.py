@@ -409,7 +409,10 @@ class Learner:
         shard = (self.shard_index, cfg.learners, cfg.data.seed)
         # past its work answered for good: accepted, or refused as stale (dropped by design,
         # not trained again); an outer optimizer without ``resume_tokens`` answers 0 there
-        self.batch_index = workload.batches_before(*shard, max(mine.tokens_accepted, mine.resume_tokens)) if mine else 0
+        answered = max(mine.tokens_accepted, mine.resume_tokens) if mine else 0
+        self.batch_index = workload.batches_before(*shard, answered) if mine else 0
+        # this learner id's tokens before this process: with its own, a lower bound on the run's
+        self.tokens_before = answered
         # a group of R ranks reads R consecutive batches per step, this process the first
         self.batches = strided(workload.train_batches(*shard, self.batch_index), self.ranks)
         # numbered past refusals too: a retry of a refused sequence is not counted twice there
@@ -584,6 +587,8 @@ class Learner:
                     resend.add(f)  # bounds any drift between the group's replicas to one window
                     if lcfg.sync:
                         self._wait_for_merge()
+            if self._own_tokens_spend_the_budget():
+                self.drain.set()
         self.group.stop()
         for f in range(nfrag):
             if win_steps[f]:
@@ -594,6 +599,15 @@ class Learner:
             # of its last step, not of its last multiple of H
             self._keep_inner_state(step)
         self.stats.set(wall_seconds=time.monotonic() - start)
+
+    def _own_tokens_spend_the_budget(self) -> bool:
+        """Whether this learner's tokens alone reach the run's token budget. The coordinator
+        stops the run once the learners' reported tokens do, a heartbeat or more late; by
+        its own count a learner stops at once, never early (its tokens are part of the
+        run's), and a run of one learner stops at its budget exactly (a serial warm start
+        trains the steps it was given, no more: launcher/warm_start.py)."""
+        budget = self.config.max_tokens
+        return budget > 0 and self.tokens_before + self.stats.get("tokens") >= budget
 
     def _keep_inner_state(self, step: int) -> None:
         """Offer the AdamW moments and schedule step after ``step`` steps of this process to
