@@ -20,10 +20,15 @@ from ddiloco.common.metrics import read_events
 
 def test_a_killed_shard_restarts_alone_and_nothing_is_lost(tmp_path):
     out = tmp_path / "run"
+    # A learner trains on while a fragment's uploads are stalled until it holds
+    # --max-coalesce-windows windows of that fragment, then waits for them. At the default 4
+    # (windows of 5 tiny steps) that is about 0.3 s of the 5 s outage, so whether shard 0
+    # merged in that span was a race; at 64 the learners train, and shard 0 merges, through
+    # the outage, which is what this test is about.
     proc = subprocess.run(
         [sys.executable, "-m", "ddiloco", "chaos", "--learners", "2", "--fragments", "2", "--outer-shards", "2",
          "--fault", "kill:outer:1@6s+5s", "--max-seconds", "30", "--checkpoint-every", "3", "--out", str(out),
-         "--quiet", *TINY_RUN],
+         "--max-coalesce-windows", "64", "--quiet", *TINY_RUN],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
