@@ -54,6 +54,7 @@ tokens, one panel per M.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -116,11 +117,11 @@ def run_warm_start(cfg, steps: int, budget: int, run_dir: pathlib.Path, cfg_path
 
     base = ["--config", str(cfg_path), "--max-tokens", str(budget), "--max-seconds", str(cfg.max_seconds)]
     phase_plan = warm_start.plan(cfg, steps, cfg.learner.batch_size * cfg.model.context)
-    report = cb.run_ddiloco(run_dir, warm_start.phase_flags(base, cfg, phase_plan), 1, device, step_seconds=step_seconds)
+    cb.run_ddiloco(run_dir, warm_start.phase_flags(base, cfg, phase_plan), 1, device, step_seconds=step_seconds)
     done = warm_start.read_result(run_dir)
     curve = cb.eval_curve(cb.read_events(run_dir))
     if not curve or curve[-1][0] < done.tokens:
-        curve.append((done.tokens, float(report["final_eval_loss"])))
+        curve.append((done.tokens, float(done.final_eval_loss)))
     return {"steps": phase_plan.steps, "tokens": done.tokens, "seconds": done.seconds,
             "initial_eval_loss": done.initial_eval_loss, "final_eval_loss": done.final_eval_loss,
             "folder": str(run_dir), "curve": [[int(t), round(v, 5)] for t, v in curve]}
@@ -489,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm[seed] = run_warm_start(configs[(m, seed)][0], args.warm_start_steps, args.tokens,
                                             runs / f"warm-start-seed{seed}", cfg_path, args.device, args.step_seconds)
             cfg_path = runs / f"config-M{m}-seed{seed}-warm.json"
-            cfg = configs[(m, seed)][0]
-            cfg_path.write_text(json.dumps({**json.loads(cfg.to_json()), "init_from": warm[seed]["folder"]}))
+            cfg_path.write_text(dataclasses.replace(configs[(m, seed)][0], init_from=warm[seed]["folder"]).to_json())
             budget = args.tokens - warm[seed]["tokens"]
         print(f"[{time.monotonic() - t_start:7.0f}s] M={m} seed {seed} {method} ...", file=sys.stderr, flush=True)
         row = run_one(method, m, seed, budget, cfg_path, runs / f"M{m}-seed{seed}-{method}", args.device,

@@ -77,20 +77,6 @@ def params_sha256(params: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _warm_start(model: torch.nn.Module, cfg: RunConfig) -> None:
-    """``--init-from``: every rank starts from the same saved model (a run folder, checkpoint
-    folder or export, as a ddiloco run's ``--init-from``), so that dp and DiLoCo compared
-    from one warm start begin at the same point. The optimizer state starts fresh, as a
-    ddiloco run's learners' does."""
-    from ddiloco.modelio.source import check_matches, load
-
-    source = load(pathlib.Path(cfg.init_from))
-    check_matches(source, cfg, model)  # also checked by the CLI before any rank starts
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(source.params[name].float())
-
-
 class Trainer:
     def __init__(self, config: RunConfig, options: DPOptions) -> None:
         validate(config, options)
@@ -107,7 +93,12 @@ class Trainer:
         self.eval_batches = self.workload.eval_batches() if self.rank == 0 else None
         self.model = self.workload.build_model()
         if cfg.init_from:
-            _warm_start(self.model, cfg)
+            # every rank from the same saved model, so that dp and DiLoCo compared from one
+            # warm start begin at the same point; the optimizer state starts fresh, as a
+            # ddiloco run's learners' does (checked by the CLI before any rank starts)
+            from ddiloco.modelio.source import load_into
+
+            load_into(self.model, pathlib.Path(cfg.init_from), cfg)
         self.model = self.model.to(self.device)
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(

@@ -353,18 +353,14 @@ class Learner:
         and its start-up pull, which names the copy it holds by digest, then costs nothing
         instead of the model in full (outer/downloads.py). One that cannot downloads it, as
         before. After the signature, which the coordinator checks against the seeded model."""
-        from ddiloco.modelio.source import SourceError, check_matches, load
+        from ddiloco.modelio.source import SourceError, load_into
 
         path = pathlib.Path(cfg.init_from)
         try:
-            source = load(path)
-            check_matches(source, cfg, self.initial_model)
+            source = load_into(self.initial_model, path, cfg)
         except (OSError, SourceError) as exc:
             log.info("--init-from %s is not readable here (%s): the model comes from the outer optimizer", path, exc)
             return
-        with torch.no_grad():
-            for name, p in self.initial_model.named_parameters():
-                p.copy_(source.params[name].float())
         self.metrics.event("warm_start", path=str(path), version=source.version, run_id=source.run_id,
                            learner=self.learner_id)
 

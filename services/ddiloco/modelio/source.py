@@ -88,6 +88,17 @@ def check_matches(g: GlobalModel, cfg: RunConfig, built: torch.nn.Module | None 
         raise SourceError(f"{g.origin} does not fit the run's model ({len(diff)} tensors differ; {shown})")
 
 
+def load_into(model: torch.nn.Module, path: pathlib.Path, cfg: RunConfig) -> GlobalModel:
+    """``model``, the run's model as built, set to the parameters at ``path`` (a warm start:
+    ``--init-from``); returns what was read. ``SourceError`` where they do not fit it."""
+    source = load(path)
+    check_matches(source, cfg, model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(source.params[name].float())
+    return source
+
+
 def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
     """The global model at ``path``: a run folder, a checkpoint folder or an exported
     ``.safetensors`` file. ``version`` picks one of a run's kept checkpoints."""
