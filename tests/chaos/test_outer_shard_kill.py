@@ -7,8 +7,9 @@ increase. Real processes, real gRPC with mutual TLS, a real SIGKILL."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import pathlib
+import threading
+import time
 
 import pytest
 
@@ -18,20 +19,83 @@ from ddiloco.chaos.audit import audit_run
 from ddiloco.common.metrics import read_events
 
 
+def _events_so_far(path: pathlib.Path) -> list[dict]:
+    """metrics.jsonl while services append to it: every whole line (the last may be half written)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _kill_shard_1_once_training(out: pathlib.Path, seen: dict):
+    """An injector for ``run_with_chaos``: SIGKILL outer shard 1 once both learners train and
+    shard 1 has a checkpoint; restart it once shard 0 has merged MERGES_DURING times since.
+
+    Conditions, not times: a fault at a fixed second could land while the learners still
+    start (under a loaded machine they took longer than the schedule's 6 s), and a learner's
+    first pull needs every fragment, so with shard 1 down nobody trained and shard 0 had
+    nothing to merge; that failed this test in a clean-clone CI run."""
+    metrics = out / "metrics.jsonl"
+
+    def wait_for(condition, stop: threading.Event) -> list[dict] | None:
+        deadline = time.monotonic() + WAIT_S
+        while not stop.wait(0.05):
+            events = _events_so_far(metrics)
+            if condition(events):
+                return events
+            if time.monotonic() > deadline:
+                return None
+        return None
+
+    def training(events):
+        acked = {e["source"] for e in events if e["event"] == "upload_acked" and e["fragment"] == 1}
+        return acked >= {"learner-0", "learner-1"} and any(
+            e["event"] == "checkpoint" and e["source"] == "outer-1" for e in events)
+
+    def inject(controller, backend, cluster, stop: threading.Event) -> None:
+        if wait_for(training, stop) is None:
+            seen["error"] = f"the learners were not training with a checkpoint on shard 1 within {WAIT_S} s"
+            return
+        fid = controller.inject("kill", "outer:1")
+        killed_at = time.time()
+        merged = wait_for(lambda ev: sum(1 for e in ev if e["event"] == "merge" and e["source"] == "outer-0"
+                                         and e["t"] > killed_at) >= MERGES_DURING, stop)
+        if merged is None:
+            seen["error"] = f"shard 0 did not merge {MERGES_DURING} times within {WAIT_S} s of shard 1's kill"
+        controller.recover(fid)
+
+    return inject
+
+
+WAIT_S = 60.0
+MERGES_DURING = 20
+
+
 def test_a_killed_shard_restarts_alone_and_nothing_is_lost(tmp_path):
+    from ddiloco.chaos.faults import Schedule
+    from ddiloco.chaos.run import run_with_chaos
+    from ddiloco.launcher.run import LaunchOptions
+
     out = tmp_path / "run"
     # A learner trains on while a fragment's uploads are stalled until it holds
-    # --max-coalesce-windows windows of that fragment, then waits for them. At the default 4
-    # (windows of 5 tiny steps) that is about 0.3 s of the 5 s outage, so whether shard 0
-    # merged in that span was a race; at 64 the learners train, and shard 0 merges, through
-    # the outage, which is what this test is about.
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddiloco", "chaos", "--learners", "2", "--fragments", "2", "--outer-shards", "2",
-         "--fault", "kill:outer:1@6s+5s", "--max-seconds", "30", "--checkpoint-every", "3", "--out", str(out),
-         "--max-coalesce-windows", "64", "--quiet", *TINY_RUN],
-        capture_output=True, text=True, timeout=300,
+    # --max-coalesce-windows windows of that fragment, then waits for them; at 64 (windows
+    # of 5 tiny steps) the learners train, and shard 0 merges, through the whole outage.
+    flags = ["--learners", "2", "--fragments", "2", "--outer-shards", "2", "--max-seconds", "30",
+             "--checkpoint-every", "3", "--max-coalesce-windows", "64", *TINY_RUN]
+    seen: dict = {}
+    result = run_with_chaos(
+        LaunchOptions(out=out, run_flags=flags, learners=2, outer_shards=2, device="cpu", progress=False),
+        Schedule([], seed=0), alongside=_kill_shard_1_once_training(out, seen),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "error" not in seen, seen["error"]
+    assert result.ok and result.faults_injected == 1, (result.failures, result.fault_errors, result.notes)
     events = read_events(out / "metrics.jsonl")
     kill = next(e for e in events if e["event"] == "fault" and e.get("target") == "outer:1" and e.get("phase") == "inject")
     ready_again = [e for e in events if e["event"] == "outer_ready" and e["source"] == "outer-1" and e["t"] > kill["t"]]
@@ -42,6 +106,7 @@ def test_a_killed_shard_restarts_alone_and_nothing_is_lost(tmp_path):
     assert [e for e in events if e["event"] == "upload_acked" and e["fragment"] == 0 and kill["t"] < e["t"] < back]
     # shard 0 never restarted; shard 1 restored its own state, and merged again after
     assert len([e for e in events if e["event"] == "outer_ready" and e["source"] == "outer-0"]) == 1
+    assert [e for e in events if e["event"] == "restore" and e["source"] == "outer-1" and e["t"] > kill["t"]]
     assert [e for e in events if e["event"] == "merge" and e["source"] == "outer-1" and e["t"] > back]
     audit = audit_run(out)
     assert audit.acked and not audit.acked_lost and not audit.applied_twice

@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     if args.backend == "docker":
         return _main_docker(args)
     from ddiloco.chaos.run import run_with_chaos
-    from ddiloco.launcher.cli import print_summary
+    from ddiloco.launcher.cli import print_summary, signal_exit_code
     from ddiloco.launcher.run import LaunchOptions
     from ddiloco.launcher.topology import TopologyOptions
 
@@ -141,6 +141,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"fault not injected: {err}", file=sys.stderr)
     for name, code in result.failures.items():
         print(f"service {name} failed with exit code {code}; see {out}/logs/", file=sys.stderr)
+    if result.interrupted:
+        return signal_exit_code(result.signal_name)
     return 0 if result.ok else 1
 
 

@@ -56,6 +56,7 @@ def run_with_chaos(
     topology = make_topology(options.topology, options.learners, options.out)
     notes: list[str] = []
     failures: dict[str, int] = {}
+    interrupted = False
     # torn down however this block is left (after faults are undone); Ctrl-C, SIGTERM and
     # SIGHUP stop the run in order (common/interrupts.py)
     with StopSignals() as signals, topology:
@@ -84,6 +85,7 @@ def run_with_chaos(
                 injector.start()
             failures = _supervise(cluster, backend, options, notes)
         except KeyboardInterrupt:
+            interrupted = True
             print(f"\ninterrupted ({signals.received or 'a signal'}): stopping services", file=sys.stderr)
         finally:
             signals.stopping()  # a second signal must not cut the orderly stop short
@@ -98,7 +100,10 @@ def run_with_chaos(
         report = json.loads(report_path.read_text()) if report_path.exists() else None
         topology.finish(options.out, report)
     failures.update({p.name: p.returncode() for p in cluster.failed() if p.name not in failures})
-    return ChaosResult(report, failures, options.out, controller.injected, controller.errors, notes)
+    # by keyword: LaunchResult's own optional fields come first
+    return ChaosResult(report, failures, options.out, interrupted=interrupted,
+                       signal_name=signals.received if interrupted else None,
+                       faults_injected=controller.injected, fault_errors=controller.errors, notes=notes)
 
 
 def _coordinator(cluster: Cluster):

@@ -184,11 +184,11 @@ def main(args: argparse.Namespace) -> int:
     if result.report is None and (out / "config.json").exists():
         print(f"the run stopped before its budget; continue it with: ddiloco run --resume {out}", file=sys.stderr)
     if result.interrupted:
-        return _signal_exit_code(result.signal_name)
+        return signal_exit_code(result.signal_name)
     return 0 if result.ok else 1
 
 
-def _signal_exit_code(signal_name: str | None) -> int:
+def signal_exit_code(signal_name: str | None) -> int:
     """The shell's code for a command ended by that signal: 130 for Ctrl-C, 143 for SIGTERM."""
     return 128 + int(getattr(signal, signal_name or "SIGINT", signal.SIGINT))
 
@@ -211,7 +211,7 @@ def _warm_start(options, config, warm) -> int:
         outer_shards=1, slowdown={0: options.slowdown[0]} if 0 in options.slowdown else {})
     result = launch(phase)
     if result.interrupted:
-        return _signal_exit_code(result.signal_name)
+        return signal_exit_code(result.signal_name)
     if not result.ok:
         for name, code in result.failures.items():
             print(f"warm start: service {name} failed with exit code {code}; see {folder}/logs/{name}.log", file=sys.stderr)
