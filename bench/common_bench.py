@@ -26,6 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT / "services") not in sys.path:  # runs from a plain checkout too
     sys.path.insert(0, str(ROOT / "services"))
 
+from ddiloco.report.overlap import overlap_steps  # noqa: E402  (a run's overlap: ddiloco report shows it too)
+
 WATCHED = ("services", "bench")
 MAX_START_LOAD = 1.5
 
@@ -166,42 +168,6 @@ def merge_stats(events: list[dict], learners: int | None = None) -> dict:
         out["merges_before_drain_short_of_m"] = sum(
             1 for e in merges if e.get("t", 0) < drain_t and len({d[0] for d in e.get("deltas", [])}) < learners)
     return out
-
-
-def overlap_steps(events: list[dict]) -> dict:
-    """How long a learner trains on after a window before the merged version reaches it, in
-    its own steps: for each window of a (learner, fragment), the time from the window's end
-    to that learner's next pull of the fragment, divided by the window's wall time per step
-    (the time since the previous window of the same fragment over its steps). Median and
-    mean over windows, beside the mean window length. A learner's first window of a fragment
-    (no previous one to time it by) and a window with no pull after it are left out. With
-    ``--sync`` the pull ends the learner's wait, so this is the barrier's wait instead."""
-    windows: dict[tuple[int, int], list[dict]] = {}
-    pulls: dict[tuple[int, int], list[float]] = {}
-    for e in events:
-        key = (e.get("learner"), e.get("fragment"))
-        if e.get("event") == "window":
-            windows.setdefault(key, []).append(e)
-        elif e.get("event") == "pull":
-            pulls.setdefault(key, []).append(e["t"])
-    overlaps, lengths = [], []
-    for key, ws in windows.items():
-        ts = sorted(pulls.get(key, []))
-        for prev, w in zip(ws, ws[1:]):
-            if w["steps"] <= 0 or w["t"] <= prev["t"]:
-                continue
-            after = next((t for t in ts if t > w["t"]), None)
-            if after is None:
-                continue
-            overlaps.append((after - w["t"]) / ((w["t"] - prev["t"]) / w["steps"]))
-            lengths.append(w["steps"])
-    if not overlaps:
-        return {"overlap_steps_median": None, "overlap_steps_mean": None, "window_steps_mean": None}
-    overlaps.sort()
-    mid = len(overlaps) // 2
-    median = overlaps[mid] if len(overlaps) % 2 else (overlaps[mid - 1] + overlaps[mid]) / 2
-    return {"overlap_steps_median": round(median, 2), "overlap_steps_mean": round(sum(overlaps) / len(overlaps), 2),
-            "window_steps_mean": round(sum(lengths) / len(lengths), 2)}
 
 
 def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:

@@ -4,6 +4,7 @@ model on real text over gRPC, and the run leaves a complete report."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -32,6 +33,8 @@ def test_run_exits_zero_and_prints_a_summary(finished_run):
     proc, _ = finished_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| eval loss |" in proc.stdout
+    # and the run's overlap, from its own event log (ddiloco.report.overlap)
+    assert re.search(r"\| overlap \| \d+\.\d\d of \d+\.\d steps per window trained on the old base", proc.stdout), proc.stdout
 
 
 def test_report_has_every_key_and_loss_went_down(finished_run):

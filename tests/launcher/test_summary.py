@@ -37,3 +37,10 @@ def test_the_summary_shows_each_figure_of_the_report():
 
 def test_an_unknown_initial_loss_is_shown_as_unknown():
     assert "| eval loss | unknown -> 1.6123 |" in _summary({**REPORT, "initial_eval_loss": None})
+
+
+def test_the_runs_overlap_is_a_row_when_known():
+    out = io.StringIO()
+    print_summary(REPORT, out, "1.13 of 20.0 steps per window trained on the old base before its merge arrived (median, 6%)")
+    assert "| overlap | 1.13 of 20.0 steps per window trained on the old base" in out.getvalue()
+    assert "| overlap |" not in _summary(REPORT)

@@ -135,7 +135,9 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("ddiloco chaos: partitions cut datacenter links, which exist only with --topology netns")
     result = run_with_chaos(options, schedule)
     if result.report is not None:
-        print_summary(result.report, sys.stdout)
+        from ddiloco.report import overlap
+
+        print_summary(result.report, sys.stdout, overlap.of_run(out, cfg.learner.sync))
         _print_goodput(result.report, out)
     for err in result.fault_errors:
         print(f"fault not injected: {err}", file=sys.stderr)

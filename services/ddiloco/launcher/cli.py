@@ -175,7 +175,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"ddiloco run: {exc}", file=sys.stderr)
         return 2
     if result.report is not None:
-        print_summary(result.report, sys.stdout)
+        from ddiloco.report import overlap
+
+        print_summary(result.report, sys.stdout, overlap.of_run(out, config.learner.sync))
         if "links" in result.report:
             print_links(result.report["links"], sys.stdout)
         print(f"\nrun folder: {out}  (report.json, metrics.jsonl, config.json, logs/)")
@@ -232,7 +234,9 @@ def _loss(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.4f}"
 
 
-def print_summary(report: dict, stream) -> None:
+def print_summary(report: dict, stream, overlap: str | None = None) -> None:
+    """The run's figures as a table; ``overlap``: the run's overlap in words
+    (ddiloco.report.overlap), a row when given."""
     mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
     rows = [
         ("eval loss", f"{_loss(report['initial_eval_loss'])} -> {_loss(report['final_eval_loss'])}"),
@@ -243,6 +247,8 @@ def print_summary(report: dict, stream) -> None:
         ("wall seconds", f"{report['wall_seconds']:.1f}"),
         ("model parameters", f"{report['model_parameters']:,}"),
     ]
+    if overlap is not None:
+        rows.append(("overlap", overlap))
     print("\n| metric | value |\n|---|---|", file=stream)
     for k, v in rows:
         print(f"| {k} | {v} |", file=stream)

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from ddiloco.common.metrics import read_events
     from ddiloco.report import series as series_mod
+    from ddiloco.report.overlap import describe, overlap_steps
     from ddiloco.report.summary import markdown
 
     events_path = args.run_dir / "metrics.jsonl"
@@ -43,9 +44,10 @@ def main(args: argparse.Namespace) -> int:
 
         goodput = account(events, int(config.get("learners", 0)))
     series = series_mod.build(events)
+    overlap = describe(overlap_steps(events), sync=bool((config.get("learner") or {}).get("sync")))
     out = args.out or args.run_dir / "plots"
     pngs = render(series, goodput, out)
-    (out / "summary.md").write_text(markdown(args.run_dir.resolve().name, report, series, goodput, pngs))
+    (out / "summary.md").write_text(markdown(args.run_dir.resolve().name, report, series, goodput, pngs, overlap))
     print(f"wrote {', '.join(p.name for p in pngs)} and summary.md to {out}")
     return 0
 

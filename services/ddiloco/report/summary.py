@@ -7,7 +7,9 @@ import pathlib
 from ddiloco.report.series import RunSeries
 
 
-def markdown(name: str, report: dict | None, series: RunSeries, goodput: dict | None, pngs: list[pathlib.Path]) -> str:
+def markdown(name: str, report: dict | None, series: RunSeries, goodput: dict | None, pngs: list[pathlib.Path],
+             overlap: str | None = None) -> str:
+    """``overlap``: the run's overlap in words (ddiloco.report.overlap.describe), if it had one."""
     lines = [f"# Run {name}", ""]
     if report is None:
         lines += ["No `report.json`: the run did not finish (or is still going); numbers are from `metrics.jsonl`.", ""]
@@ -26,6 +28,8 @@ def markdown(name: str, report: dict | None, series: RunSeries, goodput: dict | 
     stale = [x for m in series.merges for x in m[2]]
     if stale:
         lines.append(f"| deltas merged, mean staleness | {len(stale)}, {sum(stale) / len(stale):.2f} rounds |")
+    if overlap is not None:
+        lines.append(f"| overlap | {overlap} |")
     lines.append(f"| refusals | {series.refused} |")
     for lid, points in sorted(series.bytes.items()):
         lines.append(f"| learner {lid}: up / down | {points[-1][1] / 1e6:.2f} MB / {points[-1][2] / 1e6:.2f} MB |")
