@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from support import TINY_RUN
+from support import TINY_RUN, wait_until
 
 from ddiloco.chaos.audit import audit_run
 from ddiloco.common.metrics import read_events
@@ -44,15 +44,14 @@ def _kill_shard_1_once_training(out: pathlib.Path, seen: dict):
     nothing to merge; that failed this test in a clean-clone CI run."""
     metrics = out / "metrics.jsonl"
 
-    def wait_for(condition, stop: threading.Event) -> list[dict] | None:
-        deadline = time.monotonic() + WAIT_S
-        while not stop.wait(0.05):
-            events = _events_so_far(metrics)
-            if condition(events):
-                return events
-            if time.monotonic() > deadline:
-                return None
-        return None
+    def wait_for(condition, stop: threading.Event) -> bool:
+        """Whether ``condition`` of the events so far came true within WAIT_S (False once the
+        run ended first)."""
+        try:
+            wait_until(lambda: stop.is_set() or condition(_events_so_far(metrics)), WAIT_S, "a condition of the run")
+        except TimeoutError:
+            return False
+        return not stop.is_set()
 
     def training(events):
         acked = {e["source"] for e in events if e["event"] == "upload_acked" and e["fragment"] == 1}
@@ -60,14 +59,20 @@ def _kill_shard_1_once_training(out: pathlib.Path, seen: dict):
             e["event"] == "checkpoint" and e["source"] == "outer-1" for e in events)
 
     def inject(controller, backend, cluster, stop: threading.Event) -> None:
-        if wait_for(training, stop) is None:
+        try:
+            kill_and_restart(controller, stop)
+        except Exception as exc:  # noqa: BLE001 - on the injector's thread: reported to the test, not lost
+            seen["error"] = f"the injector failed: {type(exc).__name__}: {exc}"
+
+    def kill_and_restart(controller, stop: threading.Event) -> None:
+        if not wait_for(training, stop):
             seen["error"] = f"the learners were not training with a checkpoint on shard 1 within {WAIT_S} s"
             return
         fid = controller.inject("kill", "outer:1")
         killed_at = time.time()
         merged = wait_for(lambda ev: sum(1 for e in ev if e["event"] == "merge" and e["source"] == "outer-0"
                                          and e["t"] > killed_at) >= MERGES_DURING, stop)
-        if merged is None:
+        if not merged:
             seen["error"] = f"shard 0 did not merge {MERGES_DURING} times within {WAIT_S} s of shard 1's kill"
         controller.recover(fid)
 
