@@ -13,11 +13,15 @@ a real outer optimizer process."""
 
 from __future__ import annotations
 
+import errno
+import os
+
 import grpc
 import pytest
 from outer_helpers import WINDOW_TOKENS, Remote, make_delta, push, serving_run, state_specs, tiny_config
 from support import wait_until
 
+from ddiloco.common.durable import StorageError
 from ddiloco.common.errors import FailedPrecondition, Stale, Superseded
 from ddiloco.outer.records import LearnerRecord
 from ddiloco.outer.state import OuterState
@@ -112,6 +116,75 @@ def test_the_count_of_stale_refusals_survives_a_restart(tmp_path):
     assert (mine.tokens_accepted, mine.resume_tokens, mine.last_seq, mine.last_seq_refused_stale) == (
         WINDOW_TOKENS, 2 * WINDOW_TOKENS, 1, 2,
     )
+
+
+def test_a_stale_refusal_answered_after_the_last_checkpoint_survives_a_crash(tmp_path):
+    """Each refusal is recorded durably before it is answered: before, one answered after
+    the last checkpoint was forgotten by a crash, and the learner then resumed one window
+    early per such refusal (its last acknowledged batches trained twice)."""
+    state, base = _stale_setting(tmp_path)
+    assert state.checkpoint() is not None
+    header, payload = _delta(state, 2, base)
+    with pytest.raises(Stale):
+        state.accept(header, payload)
+    h3, _ = _delta(state, 3, base)
+    with pytest.raises(Stale):
+        state.check_header(h3)  # refused on its header alone: recorded too
+    del state  # the crash, no checkpoint since the refusals
+
+    restarted = OuterState(tiny_config(), tmp_path)
+    mine = _mine(restarted)
+    assert (mine.tokens_accepted, mine.resume_tokens, mine.last_seq, mine.last_seq_refused_stale) == (
+        WINDOW_TOKENS, 3 * WINDOW_TOKENS, 1, 3,
+    )
+    with pytest.raises(Stale):  # a retry of an answered refusal, after the restart: counted once
+        restarted.check_header(h3)
+    assert _mine(restarted).resume_tokens == 3 * WINDOW_TOKENS
+
+
+def test_refusal_records_a_checkpoint_covers_are_counted_once_and_pruned(tmp_path):
+    state, base = _stale_setting(tmp_path)
+    for seq in (2, 3):
+        with pytest.raises(Stale):
+            state.check_header(_delta(state, seq, base)[0])
+        assert state.checkpoint() is not None
+    refusals = tmp_path / "refusals"
+    # the first refusal is in both kept checkpoints; the second one's record stays, since a
+    # fall back to the older checkpoint would need it
+    assert sorted(p.name for p in refusals.glob("*.json")) == ["00000-0000000003.json"]
+    del state
+
+    restarted = OuterState(tiny_config(), tmp_path)
+    assert (_mine(restarted).resume_tokens, _mine(restarted).last_seq_refused_stale) == (3 * WINDOW_TOKENS, 3)
+
+
+def test_an_unusable_refusal_record_is_skipped_with_an_error_and_costs_only_its_window(tmp_path, caplog):
+    state, base = _stale_setting(tmp_path)
+    assert state.checkpoint() is not None
+    for seq in (2, 3):
+        with pytest.raises(Stale):
+            state.check_header(_delta(state, seq, base)[0])
+    del state
+    damaged = tmp_path / "refusals" / "00000-0000000003.json"
+    damaged.write_text(damaged.read_text().replace('"tokens": ', '"tokens": 1'))  # the seal no longer holds
+
+    restarted = OuterState(tiny_config(), tmp_path)  # starts: no acknowledged delta is at stake
+    assert (_mine(restarted).resume_tokens, _mine(restarted).last_seq_refused_stale) == (2 * WINDOW_TOKENS, 2)
+    assert any("00000-0000000003.json" in r.getMessage() and "SHA-256" in r.getMessage() for r in caplog.records)
+
+
+def test_a_refusal_whose_record_cannot_be_written_is_still_answered_and_counted(tmp_path, caplog):
+    state, base = _stale_setting(tmp_path)
+
+    def enospc(path, obj):
+        raise StorageError(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+    state.refusal_journal.writer = enospc
+    with pytest.raises(Stale):
+        state.check_header(_delta(state, 2, base)[0])
+    assert _mine(state).resume_tokens == 2 * WINDOW_TOKENS  # in memory, and at the next checkpoint
+    assert any("not recorded durably" in r.getMessage() and "ENOSPC" in r.getMessage() for r in caplog.records)
+    assert not list((tmp_path / "refusals").glob("*.json"))
 
 
 def test_with_fragments_the_position_is_the_work_every_fragment_has_answered():

@@ -70,7 +70,7 @@ from ddiloco.common.durable import (
     write_bytes,
     write_json,
 )
-from ddiloco.outer.journal import parse_name
+from ddiloco.outer.journal import parse_name, parse_refusal_name
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +173,9 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ start
     def clean_temporaries(self) -> list[pathlib.Path]:
-        """Torn `.tmp` folders and files a crash left (checkpoints, journal, merge records)."""
+        """Torn `.tmp` folders and files a crash left (checkpoints, journal, merge and refusal records)."""
         removed = []
-        for folder in (self.root, self.state_dir / "journal", self.state_dir / "merges", self.state_dir):
+        for folder in (self.root, self.state_dir / "journal", self.state_dir / "merges", self.state_dir / "refusals", self.state_dir):
             removed += remove_temporaries(folder)
         return removed
 
@@ -299,10 +299,16 @@ class CheckpointStore:
 
 
 def prune_covered(state_dir: pathlib.Path, state: dict) -> None:
-    """Delete the merge records and journal entries checkpoint ``state`` already holds."""
+    """Delete the merge records, journal entries and stale-refusal records checkpoint
+    ``state`` already holds."""
     for path in (state_dir / "merges").glob("*.json"):
         if path.stem.isdigit() and int(path.stem) <= state["version"]:
             path.unlink(missing_ok=True)
+    refused = {int(k): r.get("last_seq_refused_stale", 0) for k, r in state["learners"].items()}
+    for path in (state_dir / "refusals").glob("*.json"):
+        key = parse_refusal_name(path)
+        if key is not None and key[1] <= refused.get(key[0], 0):
+            path.unlink(missing_ok=True)  # counted in that checkpoint's record of the learner
     if "pending" not in state:  # a checkpoint from before pending deltas were recorded
         return
     accepted = {int(k): r["last_seq_accepted"] for k, r in state["learners"].items()}

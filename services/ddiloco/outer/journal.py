@@ -47,6 +47,7 @@ from ddiloco.common.wire import digest_matches, payload_format
 from ddiloco.v1 import outer_pb2
 
 _NAME = re.compile(r"^(\d+)-(\d+)\.delta$")
+_REFUSAL_NAME = re.compile(r"^(\d+)-(\d+)\.json$")
 
 
 class JournalCorrupt(Exception):
@@ -178,6 +179,56 @@ class DeltaJournal:
             header, payload = read_entry(path)
             out[key] = (path, header, payload)
         return out
+
+
+def refusal_name(learner_id: int, seq: int) -> str:
+    return f"{learner_id:05d}-{seq:010d}.json"
+
+
+def parse_refusal_name(path: pathlib.Path) -> tuple[int, int] | None:
+    """(learner id, sequence) from a stale-refusal record's file name; None for another name."""
+    m = _REFUSAL_NAME.match(pathlib.Path(path).name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class RefusalJournal:
+    """The stale refusals: one sealed record (learner, sequence, fragment, tokens) per delta
+    refused as stale, durable before the refusal is answered.
+
+    A stale refusal is an answer for good: a restarted learner resumes its shard past that
+    window (``LearnerRecord.resume_tokens``). The count is kept in memory and in checkpoints;
+    without these records a refusal answered after the last checkpoint was forgotten when
+    the outer optimizer crashed, and a learner restarting after that trained one window of
+    batches again per such refusal. A record that cannot be read back is skipped with an
+    error naming it: it costs only that window trained again, never an acknowledged delta,
+    so it does not stop the restart as a damaged delta entry does."""
+
+    def __init__(self, folder: pathlib.Path, writer: Callable[[pathlib.Path, dict], None] = write_json) -> None:
+        self.folder = pathlib.Path(folder)
+        self.writer = writer  # injectable: tests make it raise StorageError(ENOSPC)
+
+    def write(self, learner_id: int, seq: int, fragment: int, tokens: int) -> pathlib.Path:
+        """Durable before it returns; raises ``StorageError`` on failure."""
+        path = self.folder / refusal_name(learner_id, seq)
+        self.writer(path, seal({"learner_id": learner_id, "seq": seq, "fragment": fragment, "tokens": tokens}))
+        return path
+
+    def records(self) -> Iterator[tuple[pathlib.Path, dict | None, str]]:
+        """Every record, by learner then sequence: (path, record, "") or (path, None, why
+        it cannot be used)."""
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                record = json.loads(path.read_text())
+                fields = tuple(record[k] for k in ("learner_id", "seq", "fragment", "tokens"))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                yield path, None, f"does not parse: {exc!r}"
+                continue
+            if seal_holds(record) is not True:
+                yield path, None, "does not match its own SHA-256"
+            elif not all(isinstance(v, int) and v >= 0 for v in fields) or path.name != refusal_name(*fields[:2]):
+                yield path, None, f"its fields {fields} do not match its name"
+            else:
+                yield path, record, ""
 
 
 def record_name(version: int) -> str:

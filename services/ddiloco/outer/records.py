@@ -53,6 +53,16 @@ class LearnerRecord:
         self.tokens_refused_stale[fragment] = self.tokens_refused_stale.get(fragment, 0) + tokens
         return True
 
+    def restore_refused_stale(self, fragment: int, seq: int, tokens: int) -> bool:
+        """A stale refusal read back from its durable record after a restart; False where the
+        restored checkpoint already counts it (stale refusals of a learner are counted in
+        increasing sequence, so one at or below the checkpoint's last is in it)."""
+        if seq <= self.last_seq_refused_stale:
+            return False
+        self.last_seq_refused_stale = seq
+        self.tokens_refused_stale[fragment] = self.tokens_refused_stale.get(fragment, 0) + tokens
+        return True
+
     def resume_tokens(self, fragments: Iterable[int]) -> int:
         """Where a restarted learner resumes its shard: the tokens of its deltas answered for
         good (accepted, or refused as stale) that every one of ``fragments`` has."""

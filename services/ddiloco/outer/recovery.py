@@ -56,6 +56,7 @@ def restore(state: "OuterState") -> None:
             f"and the merge records only bring {loaded.path.name} to version {state.version}: refusing to go back in versions"
         )
     requeue(state, journal)
+    restore_refusals(state)
 
 
 def load_checkpoint(state: "OuterState", loaded) -> Callable[[int, int], bool]:
@@ -165,6 +166,24 @@ def replay_merges(state: "OuterState", journal: Journaled) -> None:
         state.metrics.event(
             "merge_replayed", version=state.version, fragment=frag.index, fragment_version=frag.version, deltas=record["deltas"]
         )
+
+
+def restore_refusals(state: "OuterState") -> None:
+    """Count again the stale refusals answered after the restored checkpoint (their records
+    are durable before the answer): where a restarted learner resumes depends on them.
+    A record that cannot be used is skipped loudly (``journal.RefusalJournal``)."""
+    restored = 0
+    for path, record, why in state.refusal_journal.records():
+        if record is not None and record["fragment"] not in state.by_index:
+            record, why = None, f"fragment {record['fragment']} is not one of this outer shard's {sorted(state.by_index)}"
+        if record is None:
+            log.error("stale refusal record %s skipped (%s): that learner resumes one window earlier", path, why)
+            state.metrics.event("refusal_record_skipped", path=str(path), reason=why)
+            continue
+        rec = state.learners.setdefault(record["learner_id"], LearnerRecord())
+        restored += rec.restore_refused_stale(record["fragment"], record["seq"], record["tokens"])
+    if restored:
+        state.metrics.event("refusals_restored", refusals=restored)
 
 
 def requeue(state: "OuterState", journal: Journaled) -> None:

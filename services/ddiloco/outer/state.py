@@ -57,7 +57,7 @@ from ddiloco.common.wire import decode_payload
 from ddiloco.outer import admission, decision, recovery
 from ddiloco.outer.checkpoint import CheckpointStore
 from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Refused, Stale, WrongShard
-from ddiloco.outer.journal import DeltaJournal, MergeJournal
+from ddiloco.outer.journal import DeltaJournal, MergeJournal, RefusalJournal
 from ddiloco.outer.records import Fragment, LearnerRecord, Pending
 from ddiloco.outer.status import FragmentStatus, LearnerStatus, OuterStatus
 from ddiloco.v1 import outer_pb2
@@ -152,12 +152,14 @@ class OuterState:
         self.checkpoints: CheckpointStore | None = None
         self.journal: DeltaJournal | None = None
         self.merge_journal: MergeJournal | None = None
+        self.refusal_journal: RefusalJournal | None = None
         if state_dir is not None:
-            for sub in ("journal", "checkpoints", "merges"):
+            for sub in ("journal", "checkpoints", "merges", "refusals"):
                 (state_dir / sub).mkdir(parents=True, exist_ok=True)
             self.checkpoints = CheckpointStore(state_dir)
             self.journal = DeltaJournal(state_dir / "journal")
             self.merge_journal = MergeJournal(state_dir / "merges")
+            self.refusal_journal = RefusalJournal(state_dir / "refusals")
             recovery.restore(self)
 
     def _warm_start(self, path: pathlib.Path, model: torch.nn.Module) -> None:
@@ -222,21 +224,26 @@ class OuterState:
         ``accept`` checks again: the state may move while the payload arrives."""
         self._check_claims(header)
         frag = self.fragment(header.fragment)
+        stale, counted = None, False
         with self.lock:  # in accept's order: a retry of an accepted delta hears ALREADY_EXISTS
             rec = self.learners.get(header.learner_id)
             try:
                 admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted if rec else 0)
                 self._check_staleness(frag, header.base_version, header.learner_id)
-            except Stale:
+            except Stale as exc:
                 # the servicer checked the sender's process is current before asking
                 rec = self.learners.setdefault(header.learner_id, LearnerRecord())
                 rec.refused += 1
-                rec.count_refused_stale(frag.index, header.seq, header.tokens)
-                raise
+                counted = rec.count_refused_stale(frag.index, header.seq, header.tokens)
+                stale = exc
             except Refused:
                 if rec is not None:
                     rec.refused += 1  # as accept counts it: the push ends here
                 raise
+        if stale is not None:
+            if counted:
+                self._record_refusal(header)
+            raise stale
         names, shapes = [self.names[i] for i in frag.tensor_ids], [self.shapes[i] for i in frag.tensor_ids]
         admission.check_tensors(frag.index, header.payload.tensors, names, shapes)
         admission.check_payload_size(frag.index, header.payload, shapes)
@@ -258,20 +265,25 @@ class OuterState:
         self._check_claims(header)
         frag = self.fragment(header.fragment)  # one this shard owns
         with self._learner_lock(header.learner_id):
+            stale, counted = None, False
             with self.lock:
                 rec = self.learners.setdefault(header.learner_id, LearnerRecord())
                 try:
                     admission.check_sequence(header.learner_id, header.seq, rec.last_seq_accepted)
                     self._check_staleness(frag, header.base_version, header.learner_id)
-                except Stale:
+                except Stale as exc:
                     rec.refused += 1
                     if fence is not None:
                         fence()  # a replaced process's refusal moves nobody's resume position
-                    rec.count_refused_stale(frag.index, header.seq, header.tokens)
-                    raise
+                    counted = rec.count_refused_stale(frag.index, header.seq, header.tokens)
+                    stale = exc
                 except Refused:
                     rec.refused += 1
                     raise
+            if stale is not None:
+                if counted:
+                    self._record_refusal(header)
+                raise stale
             try:
                 tensors = self._decode(frag, header, payload)
                 with self.lock:
@@ -315,6 +327,21 @@ class OuterState:
                 discount = self._discount(frag, header.base_version, header.learner_id) or 0.0
                 self.lock.notify_all()
                 return frag.version, discount
+
+    def _record_refusal(self, header: outer_pb2.DeltaHeader) -> None:
+        """Make a stale refusal just counted durable before it is answered (outside the state
+        lock: a write must not hold up merges). If the write fails the refusal stands, counted
+        in memory and at the next checkpoint; only a crash before that checkpoint would forget
+        it, and the learner would then train that window's batches again after a restart."""
+        if self.refusal_journal is None:
+            return
+        try:
+            self.refusal_journal.write(header.learner_id, header.seq, header.fragment, header.tokens)
+        except StorageError as exc:
+            log.error("stale refusal of learner %d sequence %d not recorded durably: %s", header.learner_id, header.seq, exc)
+            self.metrics.event(
+                "refusal_record_failed", learner_id=header.learner_id, seq=header.seq, error=str(exc), errno=exc.errno
+            )
 
     def _own_tokens(self, frag: Fragment, learner_id: int) -> int:
         rec = self.learners.get(learner_id)
