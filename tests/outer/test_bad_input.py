@@ -276,6 +276,15 @@ def test_a_pull_must_name_this_run(probe, run_id, code, match):
     refused(probe, lambda: list(probe.stub.PullGlobal(request, timeout=10)), code, match)
 
 
+@pytest.mark.parametrize("have_version", [-2, -(2**63)])
+def test_a_pull_from_a_version_no_copy_can_hold_is_refused(probe, have_version):
+    request = outer_pb2.PullGlobalRequest(run_id="good-run", learner_id=probe.ids[0], fragment=0, have_version=have_version)
+    refused(
+        probe, lambda: list(probe.stub.PullGlobal(request, timeout=10)), grpc.StatusCode.INVALID_ARGUMENT,
+        f"have_version={have_version}: a version held",
+    )
+
+
 def test_finalize_while_the_run_is_running_is_refused(probe):
     refused(
         probe, lambda: probe.stub.Finalize(outer_pb2.FinalizeRequest(), timeout=30), grpc.StatusCode.FAILED_PRECONDITION,
@@ -304,7 +313,10 @@ def test_a_delta_refused_on_its_header_is_not_received_past_it(probe, case):
     if case == "unregistered":
         header.learner_id, code, match = 99, grpc.StatusCode.PERMISSION_DENIED, "not registered"
     elif case == "repeated-seq":
+        # a retry's header is the accepted one's, a size the fragment can take: the layout is
+        # checked first, so a header both repeated and oversized is refused as invalid
         header.seq, code, match = 1, grpc.StatusCode.ALREADY_EXISTS, "already accepted"
+        header.payload.payload_bytes = len(enc.payload)
     elif case == "unknown-codec":
         header.payload.codec, match = 77, "unknown codec 77"
     sent: list = []

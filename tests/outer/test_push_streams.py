@@ -115,3 +115,63 @@ def test_one_stream_more_than_a_learner_may_hold_is_refused_and_a_finished_one_f
     wait_until(lambda: pa.probe(MAX_PUSH_STREAMS + 1) == grpc.StatusCode.DATA_LOSS, 30, "the streams released")
     assert pa.push(MAX_PUSH_STREAMS + 1).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED
     assert pa.last_seq() == MAX_PUSH_STREAMS + 1
+
+
+def _silent_pushes(address: str, n: int, release: threading.Event) -> list:
+    """``n`` upload streams that open and send no message until ``release`` is set (then end),
+    with no deadline, as any client may open them."""
+
+    def nothing():
+        release.wait(120)
+        return
+        yield  # a generator that yields nothing
+
+    stub = outer_pb2_grpc.OuterOptimizerStub(channel(address))
+    return [stub.PushDelta.future(nothing()) for _ in range(n)]
+
+
+def test_streams_that_never_send_a_message_take_nothing_from_the_other_calls(system):
+    """More silent upload streams than the server has threads (16 + 4 per learner): before
+    their first message they share the bound of all uploads together (2 per learner; in a
+    run with certificates, each its learner's own), every further one is RESOURCE_EXHAUSTED
+    at once, and the status, a download and the health check answer meanwhile. Before, each
+    held a thread, and the whole service stopped answering until they ended."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from support import wait_until
+
+    cluster, (a, b) = system
+    release = threading.Event()
+    calls = _silent_pushes(cluster.outer_address, 16 + 4 * 2 + 1, release)
+    try:
+        refused = lambda: sum(c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for c in calls)  # noqa: E731
+        wait_until(lambda: refused() == len(calls) - MAX_PUSH_STREAMS * 2, 30, "the streams beyond the bound refused")
+        stub = outer_pb2_grpc.OuterOptimizerStub(channel(cluster.outer_address))
+        assert stub.GetStatus(outer_pb2.StatusRequest(), timeout=10).ready
+        assert Pusher(cluster.outer_address, b).version >= 0  # a whole download
+        health = health_pb2_grpc.HealthStub(channel(cluster.outer_address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        assert "upload streams are open already (2 per learner of the run)" in next(
+            c.details() for c in calls if c.done()
+        )
+    finally:
+        release.set()
+    for c in calls:  # ended without a message: nothing to accept, nothing changed
+        assert c.exception(timeout=60) is not None
+    pa = Pusher(cluster.outer_address, a)
+    assert pa.push(pa.last_seq() + 1).outcome == outer_pb2.PUSH_OUTCOME_ACCEPTED  # uploads go on
+
+
+def test_a_stream_silent_for_the_first_message_deadline_is_cancelled(system):
+    """A caller that opens an upload and sends nothing has its call cancelled after
+    ``FIRST_MESSAGE_S``, which frees its thread and its slot, whatever keepalive says of its
+    connection (a live but silent client passes keepalive)."""
+    from ddiloco.outer.service import FIRST_MESSAGE_S
+
+    cluster, _ = system
+    release = threading.Event()
+    (call,) = _silent_pushes(cluster.outer_address, 1, release)
+    try:
+        err = call.exception(timeout=FIRST_MESSAGE_S + 30)  # waits for the cancel itself
+        assert err is not None and err.code() == grpc.StatusCode.CANCELLED, err
+    finally:
+        release.set()

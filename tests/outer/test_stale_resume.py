@@ -22,7 +22,7 @@ from outer_helpers import WINDOW_TOKENS, Remote, make_delta, push, serving_run, 
 from support import wait_until
 
 from ddiloco.common.durable import StorageError
-from ddiloco.common.errors import FailedPrecondition, Stale, Superseded
+from ddiloco.common.errors import FailedPrecondition, InvalidArgument, Stale, Superseded
 from ddiloco.outer.records import LearnerRecord
 from ddiloco.outer.state import OuterState
 
@@ -116,6 +116,28 @@ def test_the_count_of_stale_refusals_survives_a_restart(tmp_path):
     assert (mine.tokens_accepted, mine.resume_tokens, mine.last_seq, mine.last_seq_refused_stale) == (
         WINDOW_TOKENS, 2 * WINDOW_TOKENS, 1, 2,
     )
+
+
+@pytest.mark.parametrize("damage", ["no tensors", "unknown codec", "oversized"])
+def test_a_header_both_stale_and_invalid_is_refused_as_invalid_and_moves_nothing(tmp_path, damage):
+    """Its layout is checked before its staleness: a header no learner of this run could
+    send is not trained work, so it must not move where its learner resumes. Before, it was
+    answered "stale" and counted its claimed tokens."""
+    state, base = _stale_setting(tmp_path)
+    before = _mine(state)
+    header, payload = _delta(state, 2, base)
+    if damage == "no tensors":
+        header.payload.ClearField("tensors")
+    elif damage == "unknown codec":
+        header.payload.codec = 77
+    else:
+        header.payload.payload_bytes = 1 << 40  # more than the fragment can encode to
+    for path in (lambda: state.check_header(header), lambda: state.accept(header, payload)):
+        with pytest.raises(InvalidArgument):
+            path()
+    after = _mine(state)
+    assert (after.resume_tokens, after.last_seq_refused_stale) == (before.resume_tokens, 0)
+    assert not list((tmp_path / "refusals").glob("*.json"))
 
 
 def test_a_stale_refusal_answered_after_the_last_checkpoint_survives_a_crash(tmp_path):

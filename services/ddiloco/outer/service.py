@@ -76,6 +76,11 @@ MIN_CHUNK_BYTES = 4 << 10  # the finest chunking a client may use (the resume te
 # one after another, and a retry may begin before the server has seen its broken attempt
 # end (a dead connection is found by keepalive, within 30 s); more are refused.
 MAX_PUSH_STREAMS = 2
+# How long an upload stream may stay open without its first message (the header, which a
+# learner sends as it opens the stream, paced or not): a stream that never sends one held a
+# server thread until its connection died, and enough of them stopped the whole service
+# (status, downloads, health) while their connections stayed alive.
+FIRST_MESSAGE_S = 10.0
 # How long a stream that ended with no message waits to learn whether its call ended too
 # (its sender died as it opened it: rpc.call_ended, where that was reported within 0.1 ms).
 # A live sender's empty stream is refused this much later, its server thread held that long:
@@ -93,6 +98,10 @@ MAX_PACED_PULLS = 1
 # download after another, at start-up as in its loop); the second slot is for its retry,
 # which may begin before the server has seen the broken attempt end, as for uploads.
 MAX_PULL_STREAMS = 2
+# Fragment reads (ReadFragment, an outer shard gathering the model to evaluate it) one caller
+# may hold open at once: shard 0 reads one fragment after another; the second is its retry.
+# A read holds a thread until it is read, as a download does.
+MAX_FRAGMENT_READS = 2
 
 
 def max_waiting_polls(learners: int) -> int:
@@ -190,6 +199,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         self.paced = Slots(MAX_PACED_PULLS)
         self.pulling = Slots(MAX_PULL_STREAMS)
         self.pushing = Slots(MAX_PUSH_STREAMS)
+        # without certificates (an insecure run) a push names its learner only in its first
+        # message: before it arrives, all such streams together share the bound of every
+        # learner's uploads, so that they never take the threads of the other calls
+        self.unnamed_pushes = Slots(MAX_PUSH_STREAMS * service.config.learners)
+        self.reading = Slots(MAX_FRAGMENT_READS)
         cfg = service.config
         # the longest span a download may be paced over (common/paced.max_pace_seconds)
         self.max_pace_ms = int(max_pace_seconds(cfg.learner.inner_steps, cfg.fragments, cfg.lease_timeout_s) * 1000)
@@ -208,8 +222,25 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         more messages than its declared payload needs in chunks of ``MIN_CHUNK_BYTES``. Checked before
         the payload is read, so a refused push costs one message. Clients may chunk finer
         than the run does, down to ``MIN_CHUNK_BYTES``."""
-        self._authorize(context, "PushDelta")  # role first: a non-learner is refused whatever it sends
-        first = next(request_iterator, None)
+        # role first: a non-learner is refused whatever it sends
+        ident = self._authorize(context, "PushDelta")
+        # the stream's slot before its first message is read: a stream that sends none holds
+        # its server thread until FIRST_MESSAGE_S, so it counts against its learner's bound
+        # (by certificate), or, unnamed, against the bound of all uploads together
+        named = ident is not None and ident.learner_id is not None
+        if named:
+            self._hold_slot(context, self.pushing, ident.learner_id, f"{MAX_PUSH_STREAMS} upload streams", "uploads")
+        else:
+            release = self.unnamed_pushes.claim(None)
+            if release is None:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.unnamed_pushes.per_key} upload streams are open already ({MAX_PUSH_STREAMS} per learner of "
+                    "the run); retry once one ends",
+                )
+            if not context.add_callback(release):
+                release()
+        first = self._first_message(request_iterator, context)
         if first is None:
             # no message at all: a client bug, or a sender that died as it opened the stream
             # (rpc.call_ended). A dead one is not refused: its call is gone, and an alert on
@@ -222,11 +253,30 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             learner = first.header.learner_id
             self._authorize(context, "PushDelta", learner)
             self._limit(context, "PushDelta", learner)
-            self._hold_slot(context, self.pushing, learner, f"{MAX_PUSH_STREAMS} upload streams", "uploads")
+            if not named:  # a certificate's learner holds its slot already, and is this one
+                self._hold_slot(context, self.pushing, learner, f"{MAX_PUSH_STREAMS} upload streams", "uploads")
             chunk = min(self.svc.config.learner.chunk_bytes, MIN_CHUNK_BYTES)
             most = -(-max(first.header.payload.payload_bytes, 0) // chunk) + 1
             return bounded_stream(itertools.chain([first], request_iterator), most, "delta")
         return itertools.chain([first], request_iterator)  # reassemble refuses a headless stream
+
+    def _first_message(self, request_iterator, context):
+        """The stream's first message, or None if the stream ended without one; a caller that
+        sends none within ``FIRST_MESSAGE_S`` has its call cancelled (DEADLINE_EXCEEDED in
+        the log), which frees the server thread."""
+        timer = threading.Timer(FIRST_MESSAGE_S, self._cancel_silent, args=(context,))
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(request_iterator, None)
+        except grpc.RpcError:  # cancelled: by the timer, or by the caller itself
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no message within {FIRST_MESSAGE_S:g} s of opening the upload")
+        finally:
+            timer.cancel()
+
+    def _cancel_silent(self, context) -> None:
+        self.svc.metrics.event("delta_abandoned", reason=f"no first message within {FIRST_MESSAGE_S:g} s")
+        context.cancel()
 
     def _admit_header(self, header) -> None:
         """A delta's header, checked when it arrives (before its payload is read): from a
@@ -295,6 +345,14 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PullGlobalRequest.run_id is missing")
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
+        if request.have_version < -1:
+            # a version held (0 or more) or -1 for none. A version this shard holds no copy
+            # of, one beyond the current included, is answered with the fragment in full,
+            # which repairs any copy (the learner refuses an answer older than its copy)
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"have_version={request.have_version}: a version held (0 or more), or -1 for none",
+            )
         if request.pace_ms > self.max_pace_ms:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -429,7 +487,19 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
 
     def ReadFragment(self, request, context):
         svc = self.svc
-        self._authorize(context, "ReadFragment")
+        ident = self._authorize(context, "ReadFragment")
+        caller = ident.name if ident is not None else None  # an insecure run's readers share one bound
+        with refusals_as_status(context):  # RateLimited: RESOURCE_EXHAUSTED
+            self.limits.take(("ReadFragment", caller), f"ReadFragment of {caller or 'callers without a certificate'}")
+        release = self.reading.claim(caller)
+        if release is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{caller or 'callers without a certificate'} already hold {MAX_FRAGMENT_READS} fragment reads open: "
+                "reads go one after another; retry once one ends",
+            )
+        if not context.add_callback(release):
+            release()
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):  # InvalidArgument: not a fragment of this shard

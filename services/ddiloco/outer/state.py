@@ -224,6 +224,7 @@ class OuterState:
         ``accept`` checks again: the state may move while the payload arrives."""
         self._check_claims(header)
         frag = self.fragment(header.fragment)
+        self._check_layout(frag, header)
         stale, counted = None, False
         with self.lock:  # in accept's order: a retry of an accepted delta hears ALREADY_EXISTS
             rec = self.learners.get(header.learner_id)
@@ -244,9 +245,6 @@ class OuterState:
             if counted:
                 self._record_refusal(header)
             raise stale
-        names, shapes = [self.names[i] for i in frag.tensor_ids], [self.shapes[i] for i in frag.tensor_ids]
-        admission.check_tensors(frag.index, header.payload.tensors, names, shapes)
-        admission.check_payload_size(frag.index, header.payload, shapes)
 
     def accept(
         self, header: outer_pb2.DeltaHeader, payload: bytes, fence: Callable[[], None] | None = None
@@ -264,6 +262,7 @@ class OuterState:
         cfg = self.config
         self._check_claims(header)
         frag = self.fragment(header.fragment)  # one this shard owns
+        self._check_layout(frag, header)
         with self._learner_lock(header.learner_id):
             stale, counted = None, False
             with self.lock:
@@ -363,11 +362,16 @@ class OuterState:
         rounds = self._rounds_behind(frag, base_version, learner_id)
         return merge.staleness_discount(rounds, self.config.outer.max_staleness_rounds)
 
+    def _check_layout(self, frag: Fragment, header: outer_pb2.DeltaHeader) -> None:
+        """The header's tensors and declared size against the fragment's. Checked before the
+        sequence and staleness: a header no learner of this run could send is refused as
+        invalid, and never moves where its learner resumes (a stale refusal does)."""
+        names, shapes = [self.names[i] for i in frag.tensor_ids], [self.shapes[i] for i in frag.tensor_ids]
+        admission.check_tensors(frag.index, header.payload.tensors, names, shapes)
+        admission.check_payload_size(frag.index, header.payload, shapes)
+
     def _decode(self, frag: Fragment, header: outer_pb2.DeltaHeader, payload: bytes) -> list[torch.Tensor]:
-        admission.check_tensors(
-            frag.index, header.payload.tensors, [self.names[i] for i in frag.tensor_ids],
-            [self.shapes[i] for i in frag.tensor_ids],
-        )
+        """The payload's tensors (the header's layout is checked already: ``_check_layout``)."""
         arrays = decode_payload(header.payload, payload)
         return [torch.from_numpy(np.ascontiguousarray(a)) for _, a in arrays]
 
