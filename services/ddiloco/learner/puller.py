@@ -42,6 +42,13 @@ never end silently, or the learner trains on a base that never moves again.
   keeps the learner's previous copy for exactly this);
 * a change based on another version than the learner's copy: the fragment is asked for in
   full, which repairs the copy whatever went wrong;
+* an answer that does not fit the question or the copy (``BadDownload``: another fragment
+  than asked, a version older than the copy, tensors other than the fragment's by name,
+  count or shape): refused before it touches the copy, and asked for in full like a change
+  on the wrong base. Never folded by position: numpy would broadcast a tensor of shape (1,)
+  over a whole one, and ``zip`` would drop a missing tensor while the version advanced;
+* a status listing a fragment this run does not have: ``LearnerFailure`` (the outer
+  optimizer serves another model or configuration);
 * PERMISSION_DENIED (the coordinator does not list this learner, as after it restarted
   without its state and before the heartbeat registered again): polled again for up to
   ``DENIED_GRACE_S``, then ``LearnerFailure``;
@@ -62,6 +69,7 @@ import grpc
 import numpy as np
 
 from ddiloco.common import codec
+from ddiloco.common.errors import bounded
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import retry_after
 from ddiloco.common.rpc import TRANSIENT, Backoff
@@ -87,6 +95,11 @@ RATE_LIMIT_MAX_WAIT_S = 30.0
 
 class CopyMismatch(Exception):
     """A change based on another version than the learner's copy of the fragment."""
+
+
+class BadDownload(Exception):
+    """An answer that does not fit the download asked for or the learner's copy: another
+    fragment, a version older than the copy, or tensors other than the fragment's."""
 
 
 @dataclass
@@ -189,22 +202,36 @@ class Puller:
             self.arrived.clear()
             return items
 
-    def _apply(self, got: GlobalParams, merged_mine: int, start: bool = False, refine: bool = False) -> FragmentCopy:
-        old = self.copies[got.fragment]
+    def _apply(
+        self, fragment: int, got: GlobalParams, merged_mine: int, start: bool = False, refine: bool = False,
+    ) -> FragmentCopy:
+        # checked before anything changes: the answer names the fragment and version it holds,
+        # and the copy is indexed and combined with it by position
+        if got.fragment != fragment:
+            raise BadDownload(f"asked for fragment {fragment}, the answer is fragment {got.fragment}")
+        old = self.copies[fragment]
+        if got.version < max(old.version, 0):
+            # versions never go backwards (docs/chaos.md); an answer older than the copy would
+            # move the base back. No upper bound: merges go on between a status and its pull
+            raise BadDownload(f"fragment {fragment}: the answer is version {got.version}, the copy is {old.version}")
+        if old.arrays is not None:  # always, in a learner: its start-up copy is its own model (held)
+            wrong = _layout_error(got.arrays, old.arrays)
+            if wrong is not None:
+                raise BadDownload(bounded(f"fragment {fragment}: {wrong}"))
         if got.base_version < 0:
             arrays = got.arrays
         elif old.arrays is not None and got.base_version == old.version:
             arrays = [(n, a + d) for (n, a), (_, d) in zip(old.arrays, got.arrays)]
         else:  # cannot happen with a well-behaved server; refuse rather than corrupt the copy
             raise CopyMismatch(
-                f"fragment {got.fragment}: change is based on version {got.base_version}, the copy is {old.version}"
+                f"fragment {fragment}: change is based on version {got.base_version}, the copy is {old.version}"
             )
         copy = FragmentCopy(got.version, got.tokens_merged, merged_mine, arrays)
-        self.copies[got.fragment] = copy
+        self.copies[fragment] = copy
         self.stats.add(bytes_downloaded=got.nbytes, pulls=1)
         self.stats.set(global_version=sum(max(c.version, 0) for c in self.copies))
         self.metrics.event(
-            "pull", learner=self.learner_id, fragment=got.fragment, version=got.version, bytes=got.nbytes,
+            "pull", learner=self.learner_id, fragment=fragment, version=got.version, bytes=got.nbytes,
             full=got.base_version < 0, start=start, refine=refine,
         )
         return copy
@@ -220,6 +247,11 @@ class Puller:
     def _wanted(self, status) -> list[int]:
         out = []
         for fs in status.fragments:
+            if not 0 <= fs.fragment < len(self.copies):  # a negative index would alias another fragment
+                raise LearnerFailure(
+                    f"the outer optimizer's status lists fragment {fs.fragment}; "
+                    f"this run has {len(self.copies)} fragments"
+                )
             copy = self.copies[fs.fragment]
             if fs.version <= copy.version:
                 continue
@@ -250,7 +282,7 @@ class Puller:
                 digest = b"" if full else self._held_digest.get(fragment, b"")
                 got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout + pace_s,
                                   pace_s=pace_s, have_digest=digest)
-                copy = self._apply(got, merged_mine, start, refine)
+                copy = self._apply(fragment, got, merged_mine, start, refine)
                 self._held_digest.pop(fragment, None)  # confirmed (a change on it) or replaced (in full)
                 self._unsure.discard(fragment)
                 return copy, got.base_version
@@ -266,11 +298,12 @@ class Puller:
                 full = full or refine  # an answer lost on the way may have been recorded as this copy's
                 failures += 1
                 reason = f"{exc.code().name}: {exc.details()}"
-            except (CorruptDownload, CopyMismatch) as exc:
+            except (CorruptDownload, CopyMismatch, BadDownload) as exc:
                 pace_s = 0.0
                 failures += 1
                 reason = str(exc)
-                full = full or refine or isinstance(exc, CopyMismatch)
+                # the outer optimizer may have recorded what it sent as this learner's copy
+                full = full or refine or isinstance(exc, (CopyMismatch, BadDownload))
             # a failure one more download may repair, up to max_failures in a row
             self.metrics.event("pull_failed", learner=self.learner_id, fragment=fragment, reason=reason)
             if failures >= self.max_failures:
@@ -339,6 +372,16 @@ class Puller:
                 log.debug("pull: %s; polling again", exc.code().name)  # the outer optimizer is away
             except InterruptedError:
                 return
+
+
+def _layout_error(got: list[tuple[str, np.ndarray]], copy: list[tuple[str, np.ndarray]]) -> str | None:
+    """How the answer's tensors differ from the copy's (names, count, shapes, in order), or None."""
+    if len(got) != len(copy):
+        return f"the answer has {len(got)} tensors, the copy {len(copy)}"
+    for i, ((name, a), (want, b)) in enumerate(zip(got, copy)):
+        if name != want or a.shape != b.shape:
+            return f"tensor {i} of the answer is {name!r} {tuple(a.shape)}, the copy's {want!r} {tuple(b.shape)}"
+    return None
 
 
 def _fragment_status(status, fragment: int):

@@ -466,7 +466,13 @@ class Learner:
     def _fold(self, fragment: int, pulled: FragmentCopy) -> None:
         """params <- G + (params - anchor); anchor <- G, for one fragment's tensors."""
         assert pulled.arrays is not None
-        for i, (_, g) in zip(self.fragments[fragment], pulled.arrays):
+        ids = self.fragments[fragment]
+        # the puller checked the copy against its own (puller._layout_error); said again here
+        # because a mismatch would not fail below: zip drops tensors, add_ broadcasts
+        shapes = [tuple(self.params[i].shape) for i in ids]
+        if [g.shape for _, g in pulled.arrays] != shapes:
+            raise LearnerFailure(f"fragment {fragment}: the copy to fold does not have the shapes of the fragment's parameters")
+        for i, (_, g) in zip(ids, pulled.arrays):
             g_t = torch.from_numpy(g).to(self.device)
             self.params[i].add_(g_t - self.anchor[i])
             self.anchor[i].copy_(g_t)
