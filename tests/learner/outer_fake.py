@@ -73,6 +73,8 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
         self.tokens_accepted: collections.Counter = collections.Counter()
         # learner id -> (last sequence refused as stale, tokens refused as stale): status only
         self.refused_stale: dict[int, tuple[int, int]] = {}
+        # learner id -> {fragment: tokens answered for good}, where each fragment's work ends: status only
+        self.answered: dict[int, dict[int, int]] = {}
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         outer_pb2_grpc.add_OuterOptimizerServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
@@ -164,6 +166,7 @@ class FakeOuter(outer_pb2_grpc.OuterOptimizerServicer):
                         learner_id=k, last_seq=v, tokens_accepted=self.tokens_accepted[k],
                         resume_tokens=self.tokens_accepted[k] + self.refused_stale.get(k, (0, 0))[1],
                         last_seq_refused_stale=self.refused_stale.get(k, (0, 0))[0],
+                        answered_tokens=self.answered.get(k, {}),
                     )
                     for k, v in sorted(self.last_seq.items())
                 ],

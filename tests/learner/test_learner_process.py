@@ -190,3 +190,34 @@ def test_a_learner_resumes_past_its_work_refused_as_stale_and_numbers_past_it(ru
     assert (start["batch_index"], start["first_seq"]) == (5 * 5, 6)
     assert fake.accepted_seqs(0)[0] == 6
     assert proc.returncode() is None, proc.log_path.read_text()[-3000:]
+
+
+def test_with_fragments_a_learner_resumes_where_the_fragment_furthest_behind_ends_and_does_not_send_the_others_again(tmp_path):
+    """Fragments end their windows at different steps, so a killed learner may have had one
+    fragment's windows answered further than another's. It resumes at the fragment
+    furthest behind, and a fragment further ahead ends its first window where its answered
+    work ends and sends nothing of it (``window_skipped``). Before, that fragment sent those
+    batches again: its count of answered tokens then ran past where its work ends, and a
+    learner killed once more resumed past batches that fragment never received."""
+    from support import wait_until
+
+    with _running(tmp_path, flags=("--fragments", "2")) as (cluster, fake):
+        step = 4 * 64  # TINY_RUN: batch 4, context 64; H = 5, so windows end at steps 2, 7, ... and 5, 10, ...
+        fake.last_seq[0], fake.tokens_accepted[0] = 5, 10 * step
+        fake.answered[0] = {0: 12 * step, 1: 10 * step}  # fragment 0 is answered two steps further
+
+        proc = cluster.start_learner(0, ["--device", "cpu"])
+        firsts = lambda: {a.fragment for a in fake.accepted if a.learner_id == 0} == {0, 1}  # noqa: E731
+        wait_until(firsts, 180, "a window of each fragment sent")
+        assert _events(cluster, "learner_start")[-1]["batch_index"] == 10
+        skipped = _events(cluster, "window_skipped")
+        assert [(e["fragment"], e["steps"], e["batch_index"]) for e in skipped] == [(0, 2, 12)]
+        # fragment 0's windows from batch 12 on, fragment 1's from batch 10 on: whole windows,
+        # no batch twice (uploads may coalesce windows queued behind a slow one)
+        windows = _events(cluster, "window")
+        assert [e["steps"] for e in windows if e["fragment"] == 0][:1] == [5]
+        assert [e["steps"] for e in windows if e["fragment"] == 1][:1] == [5]
+        sent = [a for a in fake.accepted if a.learner_id == 0]
+        assert all(a.tokens == a.inner_steps * step for a in sent)
+        assert fake.accepted[0].seq == 6
+        assert proc.returncode() is None, proc.log_path.read_text()[-3000:]

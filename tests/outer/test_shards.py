@@ -80,6 +80,8 @@ def test_two_shards_make_exactly_the_merges_of_one_process(tmp_path):
     assert combined.model_parameters == alone.model_parameters
     assert list(combined.fragments) == list(alone.fragments)
     assert list(combined.learners) == list(alone.learners)
+    # where each fragment's work ends, per learner: every shard's fragments together
+    assert all(sorted(r.answered_tokens) == list(range(P)) for r in combined.learners)
 
 
 def test_a_shard_holds_only_its_fragments_and_refuses_the_others():

@@ -59,6 +59,7 @@ def test_a_stale_refusal_moves_the_resume_position_past_its_window_once(tmp_path
     mine = _mine(state)
     assert (mine.tokens_accepted, mine.resume_tokens) == (WINDOW_TOKENS, 2 * WINDOW_TOKENS)
     assert (mine.last_seq, mine.last_seq_refused_stale) == (1, 2)
+    assert mine.answered_tokens == {0: 2 * WINDOW_TOKENS}
 
     # the same delta again (its first answer was lost), on the header path and in full:
     # answered the same, counted once
@@ -220,6 +221,8 @@ def test_with_fragments_the_position_is_the_work_every_fragment_has_answered():
     assert rec.count_refused_stale(1, 4, 100)
     assert rec.resume_tokens([0, 1]) == 200
     assert rec.resume_tokens([0]) == 200 and rec.work(rec.tokens_accepted, [0, 1]) == 100
+    # where each fragment's work ends: accepted and refused together, per fragment
+    assert rec.answered([0, 1]) == {0: 200, 1: 200} and rec.answered([0]) == {0: 200}
     # a record saved before these fields existed loads with none counted
     old = rec.to_json()
     for key in ("last_seq_refused_stale", "tokens_refused_stale"):

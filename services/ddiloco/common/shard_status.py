@@ -12,7 +12,8 @@ fragment would report, given the same merges.
   accepted: where a restarted learner resumes its data) is the minimum over shards, a
   shard that has none of its deltas counting 0. A learner's sequence numbers interleave
   over the shards (``learner/shard_uploader.py``): the combined ``last_seq`` is the
-  largest, for display; a learner resumes each shard from that shard's own;
+  largest, for display; a learner resumes each shard from that shard's own; where each
+  fragment's work ends (``answered_tokens``): every shard's, by fragment;
 * fragments: every shard's, by fragment index;
 * evaluation: shard 0's (shard 0 evaluates the gathered global model).
 """
@@ -62,6 +63,8 @@ def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.Out
                 resume_tokens=min(r.resume_tokens if r is not None else 0 for r in rows),
                 last_seq=max(r.last_seq for r in present),
                 last_seq_refused_stale=max(r.last_seq_refused_stale for r in present),
+                # each shard's own fragments: together, every fragment of the run
+                answered_tokens={f: t for r in present for f, t in r.answered_tokens.items()},
             )
         )
     out.fragments.extend(sorted((f for s in statuses for f in s.fragments), key=lambda f: f.fragment))

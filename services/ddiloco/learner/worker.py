@@ -407,6 +407,15 @@ class Learner:
         # not trained again); an outer optimizer without ``resume_tokens`` answers 0 there
         answered = max(mine.tokens_accepted, mine.resume_tokens) if mine else 0
         self.batch_index = workload.batches_before(*shard, answered) if mine else 0
+        # With fragments, a process before this one may have had one fragment's window
+        # answered and not another's: it resumes at the fragment furthest behind, and a
+        # fragment ahead must not send its steps up to where its work ends again (they would
+        # count twice, and its count would no longer say where its work ends, so that a
+        # later restart skipped batches for it). Per fragment: the batch index its work ends at.
+        ends = dict(mine.answered_tokens) if mine else {}
+        self.sent_until = {
+            f: workload.batches_before(*shard, t) for f, t in ends.items() if 0 <= f < cfg.fragments and t > answered
+        }
         # this learner id's tokens before this process: with its own, a lower bound on the run's
         self.tokens_before = answered
         # a group of R ranks reads R consecutive batches per step, this process the first
@@ -511,6 +520,13 @@ class Learner:
         win_loss = [0.0] * nfrag
         win_compute = [0.0] * nfrag
         next_due = [offset(f, nfrag, self.inner_steps) for f in range(nfrag)]
+        # fragments whose work an earlier process sent further than where this one resumes:
+        # their first window ends where that work ends, and is not sent (``_skip_window``)
+        skip_at = {}
+        for f, end in self.sent_until.items():
+            steps = -(-(end - self.batch_index) // self.group.size)
+            if steps > 0:
+                next_due[f] = skip_at[f] = steps
         start = self.train_started = time.monotonic()
         self.transfer_pace.training_started()
         step = 0
@@ -523,7 +539,8 @@ class Learner:
                 if pulled.version > self.versions[f]:
                     self._fold(f, pulled)
                     resend.add(f)
-                if lcfg.align_windows and not lcfg.sync and pulled.lead_s > 0 and step_wall and not extended[f]:
+                if (lcfg.align_windows and not lcfg.sync and pulled.lead_s > 0 and step_wall and not extended[f]
+                        and f not in skip_at):  # a window already sent ends where its work did
                     # phase alignment: this learner's last delta of fragment f waited lead_s
                     # for the last peer of its merge. End the window in progress later by
                     # half that (damped: the peers move too), at most H/2 steps, so that
@@ -582,18 +599,22 @@ class Learner:
                 win_loss[f] += loss_value
                 win_compute[f] += dt
                 if step >= next_due[f]:
-                    self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
+                    sent_before = skip_at.pop(f, None) is not None
+                    if sent_before:
+                        self._skip_window(f, win_steps[f])
+                    else:
+                        self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
                     win_steps[f], win_tokens[f], win_loss[f], win_compute[f] = 0, 0, 0.0, 0.0
                     next_due[f] = step + self.inner_steps
                     extended[f] = False
                     resend.add(f)  # bounds any drift between the group's replicas to one window
-                    if lcfg.sync:
+                    if lcfg.sync and not sent_before:
                         self._wait_for_merge()
             if self._own_tokens_spend_the_budget():
                 self.drain.set()
         self.group.stop()
         for f in range(nfrag):
-            if win_steps[f]:
+            if win_steps[f] and f not in skip_at:  # a fragment still short of its work sent before sends nothing
                 self._end_window(f, win_steps[f], win_tokens[f], win_loss[f] / win_steps[f], win_compute[f])
         if step % self.inner_steps:
             # the state where training stopped, which the flush above makes where the shard
@@ -635,6 +656,20 @@ class Learner:
         self.metrics.event(
             "window", learner=self.learner_id, fragment=fragment, steps=steps, loss=round(mean_loss, 5),
             base_version=self.versions[fragment], queued=self.uploader.pending(), compute_seconds=round(compute_seconds, 4),
+        )
+
+    @torch.no_grad()
+    def _skip_window(self, fragment: int, steps: int) -> None:
+        """End a window of ``fragment`` that an earlier process of this learner sent already
+        (its steps, read again because another fragment was behind, are that work again):
+        nothing is uploaded, and the next window starts here. What these steps moved stays
+        in the parameters until the next fold replaces it (``params <- G + (params -
+        anchor)``), as a refused window's does."""
+        for i in self.fragments[fragment]:
+            self.anchor[i].copy_(self.params[i])
+        self.metrics.event(
+            "window_skipped", learner=self.learner_id, fragment=fragment, steps=steps, batch_index=self.batch_index,
+            reason="an earlier process of this learner had this fragment's work up to here answered",
         )
 
     def _wait_for_merge(self) -> None:

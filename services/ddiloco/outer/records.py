@@ -70,6 +70,12 @@ class LearnerRecord:
             self.tokens_accepted.get(f, 0) + self.tokens_refused_stale.get(f, 0) for f in fragments
         )
 
+    def answered(self, fragments: Iterable[int]) -> dict[int, int]:
+        """Per fragment: the tokens of this learner's deltas of it answered for good, which
+        is where that fragment's work ends in the learner's shard (``resume_tokens`` is their
+        minimum)."""
+        return {f: self.tokens_accepted.get(f, 0) + self.tokens_refused_stale.get(f, 0) for f in fragments}
+
     def count_merged(self, fragment: int, seq: int, tokens: int) -> None:
         self.merged += 1
         self.tokens_merged[fragment] = self.tokens_merged.get(fragment, 0) + tokens

@@ -137,6 +137,7 @@ def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
                 last_seq=r.last_seq,
                 resume_tokens=r.resume_tokens,
                 last_seq_refused_stale=r.last_seq_refused_stale,
+                answered_tokens=r.answered_tokens,
             )
             for r in st.learners
         ],

@@ -629,6 +629,7 @@ class OuterState:
                         last_seq=r.last_seq_accepted,
                         resume_tokens=r.resume_tokens(owned),
                         last_seq_refused_stale=r.last_seq_refused_stale,
+                        answered_tokens=r.answered(owned),
                     )
                     for k, r in sorted(self.learners.items())
                 ],

@@ -19,6 +19,8 @@ class LearnerStatus:
     # where a restarted learner resumes its shard: its work accepted or refused as stale
     resume_tokens: int = 0
     last_seq_refused_stale: int = 0  # a restarted learner numbers its deltas past it too
+    # per fragment of this shard: tokens accepted or refused as stale (where its work ends)
+    answered_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

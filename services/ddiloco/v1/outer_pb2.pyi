@@ -134,7 +134,14 @@ class StatusRequest(_message.Message):
     def __init__(self, wait_newer_than: _Optional[int] = ..., wait_ms: _Optional[int] = ..., learner_id: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class LearnerMergeStats(_message.Message):
-    __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq", "tokens_accepted", "resume_tokens", "last_seq_refused_stale")
+    __slots__ = ("learner_id", "deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged", "last_seq", "tokens_accepted", "resume_tokens", "last_seq_refused_stale", "answered_tokens")
+    class AnsweredTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     DELTAS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DELTAS_MERGED_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +151,7 @@ class LearnerMergeStats(_message.Message):
     TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_REFUSED_STALE_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     learner_id: int
     deltas_accepted: int
     deltas_merged: int
@@ -153,7 +161,8 @@ class LearnerMergeStats(_message.Message):
     tokens_accepted: int
     resume_tokens: int
     last_seq_refused_stale: int
-    def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., resume_tokens: _Optional[int] = ..., last_seq_refused_stale: _Optional[int] = ...) -> None: ...
+    answered_tokens: _containers.ScalarMap[int, int]
+    def __init__(self, learner_id: _Optional[int] = ..., deltas_accepted: _Optional[int] = ..., deltas_merged: _Optional[int] = ..., deltas_refused: _Optional[int] = ..., tokens_merged: _Optional[int] = ..., last_seq: _Optional[int] = ..., tokens_accepted: _Optional[int] = ..., resume_tokens: _Optional[int] = ..., last_seq_refused_stale: _Optional[int] = ..., answered_tokens: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class FragmentStatus(_message.Message):
     __slots__ = ("fragment", "version", "tokens_merged", "parameters", "merged_by_learner", "lead_seconds")
