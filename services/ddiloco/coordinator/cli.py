@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     setup_logging("coordinator", args.log_level)
     from ddiloco.common.durable import write_bytes
+    from ddiloco.coordinator.membership import StateFileError
     from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
 
     config = run_config_from_args(args)
@@ -46,7 +47,11 @@ def main(args: argparse.Namespace) -> int:
         args.bind, args.run_dir, args.exit_when_finished, reopen=args.reopen,
         metrics_port=args.metrics_port, status_port=args.status_port, security=security,
     )
-    svc = CoordinatorService(config, options)
+    try:
+        svc = CoordinatorService(config, options)
+    except StateFileError as exc:  # saved state that cannot be trusted: say what and stop, no traceback
+        print(f"ddiloco coordinator: cannot start: {exc}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: svc.stop())
     signal.signal(signal.SIGINT, lambda *_: svc.stop())
     svc.start()

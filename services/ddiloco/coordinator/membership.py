@@ -20,8 +20,12 @@ each Register. For a requested id:
 * free (never held, lease expired, or left): accepted; a new token starts a new incarnation
   (incarnation + 1, earlier statistics carried), the same token continues its own.
 
-So the incarnation counts the processes that held the id, and rises at most once per lease
-timeout however many calls are made.
+So the incarnation counts the processes that held the id. While a process holds it, no
+other raises it, however many calls are made: it rises at most once per lease timeout,
+unless the holder leaves. A Leave frees the id at once (a cleanly stopped learner's
+replacement must not wait out a lease), so each Leave followed by another process's Register
+is one more incarnation, at the rate those calls are made; under TLS only the learner's own
+certificate may make them (``POLICY`` in service.py).
 
 A process cut off past its lease (a partitioned node) may still be alive when its successor
 holds the id: an orchestrator that declared its node lost started another in its place.
@@ -38,12 +42,21 @@ State is persisted atomically to ``state.json`` on every membership change, so a
 coordinator rebuilds the same view; learners that do not know it re-register with their id.
 A change whose save the disk refuses is answered UNAVAILABLE (the caller retries) and kept
 in memory, where the timer's next save writes it.
+
+The file is sealed (``durable.seal``) and checked field by field on load. One that cannot be
+read, whose seal fails, or that holds what no coordinator writes (an unknown run state, a
+member outside the run's ids) raises ``StateFileError`` naming the file, and the coordinator
+refuses to start: guessing would serve a run that never drains, or lose the budget spent and
+every learner's statistics without a word. Atomic writes rule out a torn file, so such a file
+is damage (a disk, a copy cut short, a hand edit); the operator restores it, or moves it away
+to start the membership afresh knowingly. A file from before the seal is still read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import pathlib
 import threading
 import time
@@ -53,7 +66,7 @@ from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
-from ddiloco.common.durable import StorageError, write_json
+from ddiloco.common.durable import StorageError, seal, seal_holds, write_json
 from ddiloco.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -64,7 +77,7 @@ from ddiloco.common.errors import (
     Unavailable,
 )
 from ddiloco.coordinator.signature import check_signature, model_signature
-from ddiloco.coordinator.stats_rules import ADDITIVE, Bounds, check_report, saturating_sum, stats_to_dict
+from ddiloco.coordinator.stats_rules import ADDITIVE, STATS_FIELDS, Bounds, check_report, saturating_sum, stats_to_dict
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -82,6 +95,19 @@ MAX_TOKEN_CHARS = 128
 # after a restart.
 MAX_ADDRESS_CHARS = 255  # HOST:PORT; a DNS name is at most 253 characters
 MAX_DATACENTER_CHARS = 64
+
+
+class StateFileError(ValueError):
+    """The saved state cannot be trusted (the module docstring): the coordinator does not start."""
+
+    def __init__(self, path: pathlib.Path, reason: str) -> None:
+        super().__init__(
+            f"coordinator state {path} is unusable ({reason}); the coordinator will not start on a guess. Restore the "
+            f"file, or move it away to start the run's membership afresh (its elapsed budget and learner statistics "
+            f"are then lost; learners re-register)"
+        )
+        self.path = pathlib.Path(path)
+        self.reason = reason
 
 
 def max_learner_ids(config: RunConfig) -> int:
@@ -132,6 +158,9 @@ class Membership:
         self.running_since: float | None = None
         self.drain_started: float | None = None
         self.dead_announced: set[int] = set()
+        # the outer optimizer's final answers (``CoordinatorService``'s, as JSON), saved with
+        # FINISHED: a coordinator restarted before its report was written writes it from them
+        self.final: dict | None = None
         self._bounds: Bounds | None = None  # from the workload, with the signature
         self.max_ids = max_learner_ids(config)
         self._signature = None
@@ -366,17 +395,24 @@ class Membership:
             self.running_since = None
             self.drain_started = None
             self.state = coordinator_pb2.RUN_STATE_WAITING
+            self.final = None
             for rec in self.members.values():
                 rec.left = True
             self.save()
             return reached
 
-    def finish(self) -> None:
+    def finish(self, final: dict | None = None) -> None:
+        """FINISHED, with the outer optimizer's final answers ``final``. Saved before it is
+        set: the outer optimizer exits once it reads FINISHED, so FINISHED must not be seen
+        before a restart would find it (with the answers no one can give again). Raises
+        ``StorageError`` with nothing changed; calling it again is harmless."""
         with self.lock:
-            self.elapsed_before = self.elapsed()
+            elapsed = self.elapsed()
+            self._write(self._doc(state=coordinator_pb2.RUN_STATE_FINISHED, elapsed=elapsed, final=final))
+            self.elapsed_before = elapsed
             self.running_since = None
             self.state = coordinator_pb2.RUN_STATE_FINISHED
-            self.save()
+            self.final = final
 
     # ------------------------------------------------------------------ protobuf views
     def membership_pb(self) -> coordinator_pb2.Membership:
@@ -419,15 +455,23 @@ class Membership:
             raise Unavailable(f"{what} is not saved: {exc}; retry") from exc
 
     def save(self) -> None:
+        with self.lock:
+            self._write(self._doc(self.state, self.elapsed(), self.final))
+
+    def _write(self, doc: dict) -> None:
         if self.state_path is None:
             return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.state_path, seal(doc))
+
+    def _doc(self, state: int, elapsed: float, final: dict | None) -> dict:
         with self.lock:
             doc = {
                 "run_id": self.config.run_id,
-                "state": self.state,
+                "state": state,
                 "outer_shards": self.outer_shards,
                 "outer_registrations": self.outer_registrations,
-                "elapsed": self.elapsed(),
+                "elapsed": elapsed,
                 "members": [
                     {
                         "learner_id": r.learner_id,
@@ -444,31 +488,118 @@ class Membership:
                     for r in self.members.values()
                 ],
             }
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            write_json(self.state_path, doc)
+            if final is not None:
+                doc["final"] = final
+            return doc
 
     def _load(self) -> None:
-        assert self.state_path is not None
-        doc = json.loads(self.state_path.read_text())
+        """Restore the saved state, all of it checked first: raises ``StateFileError``."""
+        path = self.state_path
+        assert path is not None
+        doc = read_state(path)
+        bad = lambda reason: StateFileError(path, reason)  # noqa: E731
         if doc["run_id"] != self.config.run_id:
-            raise RuntimeError(f"{self.state_path} belongs to run {doc['run_id']!r}, not {self.config.run_id!r}")
-        self.state = doc["state"]
+            raise bad(f"it belongs to run {doc['run_id']!r}, not {self.config.run_id!r}")
         shards = doc.get("outer_shards", [doc.get("outer_address", "")])  # a state file from before shards
+        if not isinstance(shards, list) or not all(isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in shards):
+            raise bad("outer_shards is not a list of addresses")
         if len(shards) != len(self.outer_shards):
-            raise RuntimeError(
-                f"{self.state_path} has {len(shards)} outer shards, the run has {len(self.outer_shards)}"
-            )
+            raise bad(f"it has {len(shards)} outer shards, the run has {len(self.outer_shards)}")
+        registrations = doc.get("outer_registrations", 0)
+        if not _is_int(registrations) or registrations < 0:
+            raise bad(f"outer_registrations {registrations!r} is not a count")
+        members: dict[int, MemberRecord] = {}
+        for m in doc["members"]:
+            rec = _member(m, bad)
+            if not 0 <= rec.learner_id < self.max_ids or rec.shard_index != rec.learner_id % self.config.learners:
+                raise bad(f"member {rec.learner_id} (shard {rec.shard_index}) is not a learner id of this run "
+                          f"([0, {self.max_ids}), shard = id mod {self.config.learners})")
+            if rec.learner_id in members:
+                raise bad(f"learner {rec.learner_id} is listed twice")
+            members[rec.learner_id] = rec
+        # all checked: only now does anything change
+        self.state = doc["state"]
         self.outer_shards = list(shards)
-        self.outer_registrations = int(doc.get("outer_registrations", 0))
-        self.elapsed_before = doc["elapsed"]
+        self.outer_registrations = registrations
+        self.elapsed_before = float(doc["elapsed"])
+        self.final = doc.get("final")
         if self.state in (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_DRAINING):
             self.running_since = self.clock()
         if self.state == coordinator_pb2.RUN_STATE_DRAINING:
             self.drain_started = self.clock()
         now = self.clock()
-        for m in doc["members"]:
+        for rec in members.values():
             # a restarted coordinator gives every learner a fresh lease to prove itself
-            self.members[m["learner_id"]] = MemberRecord(last_heartbeat=now, **m)
+            rec.last_heartbeat = now
+        self.members = members
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_count(v) -> bool:
+    """A learner's statistic as check_report accepts it: a finite non-negative number."""
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+
+
+_MEMBER_FIELDS = {
+    # field: (check, what it must be); shard_index and the id's range need the run (``_load``)
+    "learner_id": (_is_int, "an integer"),
+    "shard_index": (_is_int, "an integer"),
+    "address": (lambda v: isinstance(v, str) and len(v) <= MAX_ADDRESS_CHARS, f"a string of at most {MAX_ADDRESS_CHARS} characters"),
+    "datacenter": (lambda v: isinstance(v, str) and len(v) <= MAX_DATACENTER_CHARS, f"a string of at most {MAX_DATACENTER_CHARS} characters"),
+    "ranks": (lambda v: _is_int(v) and 1 <= v <= MAX_RANKS_PER_LEARNER, f"1 to {MAX_RANKS_PER_LEARNER}"),
+    "incarnation": (lambda v: _is_int(v) and v >= 0, "a count"),
+    "instance_token": (lambda v: isinstance(v, str) and len(v) <= MAX_TOKEN_CHARS, f"a string of at most {MAX_TOKEN_CHARS} characters"),
+    "left": (lambda v: isinstance(v, bool), "true or false"),
+    "stats": (lambda v: isinstance(v, dict) and all(k in STATS_FIELDS and _is_count(x) for k, x in v.items()),
+              "learner statistics (finite non-negative numbers by field name)"),
+    "carried": (lambda v: isinstance(v, dict) and all(k in STATS_FIELDS and _is_count(x) for k, x in v.items()),
+                "learner statistics (finite non-negative numbers by field name)"),
+}
+
+
+def _member(m, bad) -> MemberRecord:
+    """One saved member, checked; ``bad(reason)`` builds the error to raise."""
+    if not isinstance(m, dict) or "learner_id" not in m or "shard_index" not in m:
+        raise bad(f"a member is not a record with learner_id and shard_index: {str(m)[:80]}")
+    for k, v in m.items():
+        if k not in _MEMBER_FIELDS:
+            raise bad(f"member {str(m.get('learner_id'))[:20]} has an unknown field {k[:40]!r}")
+        check, what = _MEMBER_FIELDS[k]
+        if not check(v):
+            raise bad(f"member {str(m.get('learner_id'))[:20]}: {k} = {str(v)[:40]} is not {what}")
+    return MemberRecord(**m)
+
+
+def read_state(path: pathlib.Path) -> dict:
+    """A saved state file, read and checked as far as it can be without the run's
+    configuration: raises ``StateFileError`` naming the file and what is wrong."""
+    try:
+        text = pathlib.Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateFileError(path, f"cannot be read: {exc}") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise StateFileError(path, f"not JSON{' (empty)' if not text.strip() else ''}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise StateFileError(path, "not a JSON object")
+    if seal_holds(doc) is False:
+        raise StateFileError(path, "its content does not match its seal: the file changed after it was written")
+    for key in ("run_id", "state", "elapsed", "members"):
+        if key not in doc:
+            raise StateFileError(path, f"it has no {key!r}")
+    if doc["state"] not in STATE_NAMES or not _is_int(doc["state"]):
+        raise StateFileError(path, f"state {str(doc['state'])[:40]} is not a run state ({sorted(STATE_NAMES)})")
+    if not _is_count(doc["elapsed"]):
+        raise StateFileError(path, f"elapsed {str(doc['elapsed'])[:40]} is not a number of seconds")
+    if not isinstance(doc["members"], list):
+        raise StateFileError(path, "members is not a list")
+    if "final" in doc and not isinstance(doc["final"], dict):
+        raise StateFileError(path, "final is not a record of the outer optimizer's final answers")
+    return doc
 
 
 def saved_progress(state_path: pathlib.Path) -> tuple[str, float, int]:

@@ -3,6 +3,7 @@ end of the run (drain, final evaluation by the outer optimizer, ``report.json``)
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import pathlib
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
+from google.protobuf import json_format
 
 from ddiloco.common import auth, errors
 from ddiloco.common.config import RunConfig
@@ -22,7 +24,7 @@ from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_sta
 from ddiloco.common.security import Security
 from ddiloco.common.shard_status import combine_statuses
 from ddiloco.common.supervision import Supervisor
-from ddiloco.coordinator.membership import STATE_NAMES, Membership
+from ddiloco.coordinator.membership import STATE_NAMES, Membership, StateFileError
 from ddiloco.coordinator.stats_rules import saturating_sum
 from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
@@ -147,7 +149,7 @@ class CoordinatorService:
         run_dir = options.run_dir
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_json(run_dir / "config.json", __import__("json").loads(config.to_json()))
+            write_json(run_dir / "config.json", json.loads(config.to_json()))
         self.metrics = MetricsLog(run_dir / "metrics.jsonl" if run_dir else None, "coordinator")
         self.members = Membership(config, run_dir / "coordinator" / "state.json" if run_dir else None)
         if options.reopen:
@@ -160,7 +162,10 @@ class CoordinatorService:
         self.supervisor = Supervisor("coordinator", on_failure=self.stop_event.set)
         self.report: dict | None = None
         # the outer optimizer's final answers, once had: kept until the report is written
-        self._final: tuple[outer_pb2.FinalizeResponse, list[outer_pb2.FinalizeResponse]] | None = None
+        # (None, None): the run ended before a restart that lost them (``_finished_before``)
+        self._final: tuple[outer_pb2.FinalizeResponse | None, list[outer_pb2.FinalizeResponse] | None] | None = None
+        if self.members.state == coordinator_pb2.RUN_STATE_FINISHED:
+            self._finished_before()
         self.server = Server(
             options.bind, [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name], security=options.security
         )
@@ -294,6 +299,40 @@ class CoordinatorService:
                         self.metrics.event("state_save_failed", reason=str(exc))
                     end_error = str(exc)
 
+    def _finished_before(self) -> None:
+        """Restarted in FINISHED: the run's end is completed, never redone (its outer
+        optimizer may be gone). With its report written, the run is finished. Without (a
+        crash between the FINISHED save and the report's write in ``_conclude``), the timer
+        writes the report from the final answers saved with FINISHED, as the first process
+        would have; a state file from before those were saved has none, and the report says
+        the outer optimizer's figures are unknown."""
+        if self._report_written():
+            self.finished.set()
+            return
+        saved = self.members.final
+        if saved is None:
+            log.warning("the run finished before a restart and its report was not written; writing it without the "
+                        "outer optimizer's final figures, which were not saved")
+            self._final = (None, None)
+            return
+        try:
+            self._final = (
+                json_format.ParseDict(saved["combined"], outer_pb2.FinalizeResponse()),
+                [json_format.ParseDict(a, outer_pb2.FinalizeResponse()) for a in saved["shards"]],
+            )
+        except (KeyError, TypeError, json_format.ParseError) as exc:
+            raise StateFileError(self.members.state_path, f"its final answers cannot be read: {exc}") from None
+
+    def _report_written(self) -> bool:
+        """Whether the run folder holds this run's final report (written whole, or not at all)."""
+        if self.options.run_dir is None:
+            return False
+        try:
+            report = json.loads((self.options.run_dir / "report.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(report, dict) and report.get("run_id") == self.config.run_id and report.get("state") == "finished"
+
     def _finalize(self) -> tuple[outer_pb2.FinalizeResponse, list[outer_pb2.FinalizeResponse]]:
         """Ask the outer optimizer to merge what is pending and evaluate: (the combined
         answer, each shard's). With several outer shards, shard 0 last: it evaluates the
@@ -317,24 +356,37 @@ class CoordinatorService:
         )
         return final, per_shard
 
-    def _conclude(self, final: outer_pb2.FinalizeResponse, per_shard: list[outer_pb2.FinalizeResponse]) -> None:
-        """The run is FINISHED, saved, and its report written; then ``finished`` is set.
-        Raises ``StorageError`` if either write fails; calling it again is harmless (the
-        state moves to FINISHED once, the report is rewritten whole)."""
-        self.members.finish()
+    def _conclude(self, final: outer_pb2.FinalizeResponse | None, per_shard: list[outer_pb2.FinalizeResponse] | None) -> None:
+        """The run is FINISHED, saved with the outer optimizer's final answers, and then its
+        report written; then ``finished`` is set. In this order a crash anywhere is recovered:
+        before the save, the restart finds the run draining and asks the outer optimizer
+        again (which has not seen FINISHED, and repeats its answer); after it, the restart
+        writes the report from the saved answers (``_finished_before``). Raises
+        ``StorageError`` if either write fails; calling it again is harmless (the state moves
+        to FINISHED once, the report is rewritten whole). ``final`` None: answers lost."""
+        answers = None
+        if final is not None:
+            answers = {
+                "combined": json_format.MessageToDict(final, preserving_proto_field_name=True),
+                "shards": [json_format.MessageToDict(a, preserving_proto_field_name=True) for a in per_shard or []],
+            }
+        self.members.finish(answers if answers is not None else self.members.final)
         self.report = build_report(self.config, self.members, final, self.options.run_dir, per_shard)
         if self.options.run_dir is not None:
             write_json(self.options.run_dir / "report.json", self.report)
-        self.metrics.event("finished", final_eval_loss=final.final_eval_loss, outer_steps=final.status.outer_steps)
+        self.metrics.event("finished", final_eval_loss=self.report["final_eval_loss"], outer_steps=self.report["outer_steps"])
         self.finished.set()
 
 
 def build_report(
-    config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse, run_dir: pathlib.Path | None = None,
+    config: RunConfig, members: Membership, final: outer_pb2.FinalizeResponse | None, run_dir: pathlib.Path | None = None,
     shards: list[outer_pb2.FinalizeResponse] | None = None,
 ) -> dict:
-    """``final``: the outer optimizer's final answer (the shards' combined); ``shards``: each
-    shard's own, for the per-shard lines of a sharded run."""
+    """``final``: the outer optimizer's final answer (the shards' combined), None where it
+    was lost (its figures are then null, not zeros); ``shards``: each shard's own, for the
+    per-shard lines of a sharded run."""
+    lost = final is None
+    final = final if final is not None else outer_pb2.FinalizeResponse()
     st = final.status
     merged = {m.learner_id: m for m in st.learners}
     learners = []
@@ -380,6 +432,12 @@ def build_report(
         "model_parameters": st.model_parameters,
         "learners": learners,
     }
+    if lost:
+        for key in ("final_eval_loss", "final_eval_accuracy", "tokens_merged", "outer_steps", "global_version", "model_parameters"):
+            report[key] = None
+        for x in learners:
+            for key in ("deltas_accepted", "deltas_merged", "deltas_refused", "tokens_merged"):
+                x[key] = None
     if shards is not None and len(shards) > 1:
         report["outer_shards"] = [
             {

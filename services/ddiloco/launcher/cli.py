@@ -242,10 +242,12 @@ def print_summary(report: dict, stream, overlap: str | None = None) -> None:
         ("eval loss", f"{_loss(report['initial_eval_loss'])} -> {_loss(report['final_eval_loss'])}"),
         ("eval metric (accuracy)", "none" if report.get("final_eval_accuracy") is None else f"{report['final_eval_accuracy']:.2%}"),
         ("tokens trained", f"{report['tokens_trained']:,}"),
-        ("outer steps", str(report["outer_steps"])),
+        ("outer steps", "unknown" if report["outer_steps"] is None else str(report["outer_steps"])),
         ("uploaded / downloaded", f"{mb(report['bytes_uploaded'])} / {mb(report['bytes_downloaded'])}"),
         ("wall seconds", f"{report['wall_seconds']:.1f}"),
-        ("model parameters", f"{report['model_parameters']:,}"),
+        # None: a report the coordinator wrote after a restart that had lost the outer
+        # optimizer's final answers (coordinator/service.py: build_report)
+        ("model parameters", "unknown" if report["model_parameters"] is None else f"{report['model_parameters']:,}"),
     ]
     if overlap is not None:
         rows.append(("overlap", overlap))
