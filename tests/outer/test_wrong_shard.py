@@ -67,3 +67,51 @@ def test_pull_and_push_of_another_shards_fragment_are_unavailable_and_change_not
     finally:
         shard0.close()
         shard1.close()
+
+
+def test_a_client_whose_map_names_one_shard_twice_refuses_to_read_it_as_both(shards):
+    """Statuses are combined by position in the map of shard addresses; a map that names
+    shard 1 at both places (a shard came back at the address another had) made a learner
+    resume from shard 1's figures as if they were shard 0's, and number its deltas to shard 0
+    from shard 1's sequence. Each answer is checked against the shard it stands for: another
+    shard's is UNAVAILABLE (``WrongShardAnswer``), which the learner's start-up retries with
+    the next map."""
+    from ddiloco.common.shard_client import ShardedOuterClient
+    from ddiloco.common.shard_status import WrongShardAnswer, read_status
+
+    cluster, learner = shards
+    wrong = [cluster.outer_shards[1], cluster.outer_shards[1]]
+    client = ShardedOuterClient(wrong, "sharded", learner)
+    try:
+        with pytest.raises(WrongShardAnswer) as refused:
+            client.shard_statuses()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert f"{wrong[0]} answers for fragments [1], not for outer shard 0's" in refused.value.details()
+        with pytest.raises(WrongShardAnswer):
+            read_status(wrong)
+        right = ShardedOuterClient(cluster.outer_shards, "sharded", learner)
+        assert [[f.fragment for f in s.fragments] for s in right.shard_statuses()] == [[0], [1]]
+        right.close()
+    finally:
+        client.close()
+
+
+def test_an_entry_that_names_another_address_is_corrected_by_its_shard(shards):
+    """One registration of shard 1 at shard 0's address (a wrong --advertise, a process that
+    served as shard 1 before) was kept for good: shard 1 registered again only when its entry
+    was empty, so its fragments were unreachable and the run never finished. A shard whose
+    entry is not its address registers again."""
+    from support import wait_until
+
+    from ddiloco.common.rpc import channel
+    from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    cluster, _ = shards
+    real = list(cluster.outer_shards)
+    with channel(cluster.coordinator_address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        stub.RegisterService(
+            coordinator_pb2.RegisterServiceRequest(run_id="sharded", kind="outer", address=real[0], shard=1), timeout=5
+        )
+        entries = lambda: list(stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5).outer_shards)  # noqa: E731
+        wait_until(lambda: entries() == real, 30, "shard 1 registered again at its own address")

@@ -136,3 +136,49 @@ def _remove_where(folder: pathlib.Path, chosen: Callable[[pathlib.Path], bool]) 
                 p.unlink(missing_ok=True)
             removed.append(p)
     return removed
+
+
+class FolderInUse(Exception):
+    """Another live process holds a service's state folder (``FolderLock``)."""
+
+    def __init__(self, folder: pathlib.Path, holder: str) -> None:
+        super().__init__(
+            f"{folder} is in use by another process ({holder}): two processes serving from one folder would "
+            "overwrite each other's journal and merge records; stop the other one first"
+        )
+        self.folder = pathlib.Path(folder)
+
+
+class FolderLock:
+    """An exclusive lock on ``folder`` for this process's life (``flock`` on ``folder/LOCK``):
+    a second process that would serve from the same folder is refused at start with
+    ``FolderInUse``. The kernel drops the lock when its holder dies, however it dies, so a
+    crashed process never leaves a stale one; the file itself stays, naming the last holder."""
+
+    NAME = "LOCK"
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        import fcntl
+
+        self.folder = pathlib.Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._fd: int | None = os.open(self.folder / self.NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            try:
+                holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(self._fd)
+                self._fd = None
+            if exc.errno in (errno_mod.EWOULDBLOCK, errno_mod.EAGAIN):
+                raise FolderInUse(self.folder, f"pid {holder}") from None
+            raise StorageError(self.folder / self.NAME, exc) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Idempotent; closing the descriptor drops the lock."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

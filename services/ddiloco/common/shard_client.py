@@ -24,7 +24,7 @@ import grpc
 
 from ddiloco.common import codec
 from ddiloco.common.fragments import shard_of
-from ddiloco.common.shard_status import combine_statuses
+from ddiloco.common.shard_status import check_shard, combine_statuses
 from ddiloco.common.transport import GlobalParams, OuterClient
 from ddiloco.v1 import outer_pb2
 
@@ -80,7 +80,12 @@ class ShardedOuterClient:
         """Every shard's own status, asked at once; raises the first error (all must answer).
         ``position`` as for ``OuterClient.status``, at every shard."""
         futures = [c.status_future(timeout, position=position) for c in self.clients]
-        return [f.result() for f in futures]
+        return [self._checked(i, f.result()) for i, f in enumerate(futures)]
+
+    def _checked(self, shard: int, status: outer_pb2.OuterStatus) -> outer_pb2.OuterStatus:
+        """``status``, which shard ``shard``'s address gave, if that shard gave it
+        (``WrongShardAnswer``, UNAVAILABLE, otherwise: the callers' retry takes a new map)."""
+        return check_shard(status, shard, len(self.clients), self.addresses[shard])
 
     def _long_poll(self, last: list[outer_pb2.OuterStatus], timeout: float, wait_s: float) -> list[outer_pb2.OuterStatus]:
         done = threading.Event()
@@ -94,8 +99,8 @@ class ShardedOuterClient:
             for i, f in enumerate(futures):
                 if f.done() and answers[i] is None and not failed[i]:
                     try:
-                        answers[i] = f.result()
-                    except grpc.RpcError:
+                        answers[i] = self._checked(i, f.result())
+                    except grpc.RpcError:  # WrongShardAnswer too: another shard answers at its address
                         failed[i] = True  # this shard is away: its last status stands in
             merged = any(a is not None and a.version > s.version for a, s in zip(answers, last))
             if merged or all(f.done() for f in futures) or time.monotonic() >= deadline:
@@ -110,7 +115,7 @@ class ShardedOuterClient:
         for i, (a, s) in enumerate(zip(answers, last)):
             if a is None and not failed[i]:
                 try:
-                    a = self.clients[i].status(timeout)  # at once: it has not merged
+                    a = self._checked(i, self.clients[i].status(timeout))  # at once: it has not merged
                 except grpc.RpcError:
                     a = None
             out.append(a if a is not None else s)

@@ -22,8 +22,44 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import grpc
+
 from ddiloco.common.rpc import channel
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
+
+
+class WrongShardAnswer(grpc.RpcError):
+    """The address of outer shard ``shard`` answered with another shard's fragments: the map of
+    shard addresses is out of date (a shard came back at an address another one had, or a
+    registration named the wrong address). Read as shard ``shard``'s, its status would resume a
+    learner from another shard's figures and number its deltas from another shard's
+    sequence, and a Finalize would close the wrong shard. UNAVAILABLE, so that every caller's
+    retry takes the map again (a shard registers again when its entry is not its address)."""
+
+    def __init__(self, shard: int, address: str, fragments: list[int]) -> None:
+        super().__init__()
+        self.shard, self.address, self.fragments = shard, address, fragments
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return (f"{self.address} answers for fragments {self.fragments[:8]}, not for outer shard {self.shard}'s: "
+                "the map of shard addresses is out of date")
+
+    def __str__(self) -> str:
+        return self.details()
+
+
+def check_shard(status: outer_pb2.OuterStatus, shard: int, shards: int, address: str) -> outer_pb2.OuterStatus:
+    """``status``, if it is outer shard ``shard``'s of ``shards`` (every fragment it lists is
+    one that shard owns, ``fragments.shard_of``); else ``WrongShardAnswer``. One process holds
+    every fragment: nothing to check."""
+    if shards > 1:
+        fragments = [f.fragment for f in status.fragments]
+        if not fragments or any(f % shards != shard for f in fragments):
+            raise WrongShardAnswer(shard, address, fragments)
+    return status
 
 
 def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.OuterStatus:
@@ -74,9 +110,11 @@ def combine_statuses(statuses: Sequence[outer_pb2.OuterStatus]) -> outer_pb2.Out
 def read_status(addresses: Sequence[str], security=None, timeout: float = 2.0) -> outer_pb2.OuterStatus:
     """One read of every outer shard at ``addresses`` (one address: the outer optimizer),
     combined as one status, for a reader with no client of its own (the coordinator's page,
-    the launcher's progress line). Raises the first shard's ``grpc.RpcError``."""
+    the launcher's progress line). Raises the first shard's ``grpc.RpcError``
+    (``WrongShardAnswer`` for an address that answers as another shard)."""
     statuses = []
-    for address in addresses:
+    for shard, address in enumerate(addresses):
         with channel(address, security, server_role="outer") as ch:
-            statuses.append(outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout))
+            status = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=timeout)
+            statuses.append(check_shard(status, shard, len(addresses), address))
     return combine_statuses(statuses)

@@ -3,6 +3,7 @@ end of the run (drain, final evaluation by the outer optimizer, ``report.json``)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ from ddiloco.common.health import stopped_serving
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
-from ddiloco.common.shard_status import combine_statuses
+from ddiloco.common.shard_status import check_shard, combine_statuses
 from ddiloco.common.supervision import Supervisor
 from ddiloco.coordinator.membership import STATE_NAMES, Membership, StateFileError
 from ddiloco.coordinator.stats_rules import saturating_sum
@@ -337,18 +338,27 @@ class CoordinatorService:
         """Ask the outer optimizer to merge what is pending and evaluate: (the combined
         answer, each shard's). With several outer shards, shard 0 last: it evaluates the
         global model, reading the other shards' fragments, which are final once they answered."""
-        shards = list(self.members.outer_shards)
+        count = len(self.members.outer_shards)
         answers: dict[int, outer_pb2.FinalizeResponse] = {}
-        for shard in [*range(1, len(shards)), 0]:
-            with channel(shards[shard], self.options.security, server_role="outer") as ch:
+
+        def finalize(shard: int) -> outer_pb2.FinalizeResponse:
+            # the address as registered now (a shard registers again when its entry is not its
+            # address), and who answers there before it is asked to close: a Finalize sent to
+            # another shard would close that one early and evaluate before the others are final
+            address = self.members.outer_shards[shard]
+            with channel(address, self.options.security, server_role="outer") as ch:
                 stub = outer_pb2_grpc.OuterOptimizerStub(ch)
-                answers[shard] = call_with_retry(
-                    lambda: stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120),
-                    what="finalize outer optimizer" if len(shards) == 1 else f"finalize outer shard {shard}",
-                    max_elapsed=120,
-                    stop=self.stop_event,
-                )
-        per_shard = [answers[i] for i in range(len(shards))]
+                check_shard(stub.GetStatus(outer_pb2.StatusRequest(), timeout=10), shard, count, address)
+                return stub.Finalize(outer_pb2.FinalizeRequest(), timeout=120)
+
+        for shard in [*range(1, count), 0]:
+            answers[shard] = call_with_retry(
+                functools.partial(finalize, shard),
+                what="finalize outer optimizer" if count == 1 else f"finalize outer shard {shard}",
+                max_elapsed=120,
+                stop=self.stop_event,
+            )
+        per_shard = [answers[i] for i in range(count)]
         final = outer_pb2.FinalizeResponse(
             status=combine_statuses([a.status for a in per_shard]),
             final_eval_loss=per_shard[0].final_eval_loss,

@@ -51,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: svc.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: svc.stop_event.set())
+    from ddiloco.common.durable import FolderInUse
     from ddiloco.outer.checkpoint import CheckpointError
     from ddiloco.outer.journal import JournalCorrupt, MergeRecordCorrupt
     from ddiloco.outer.service import ShardError
@@ -60,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         svc.start()
     except InterruptedError:
         return 0  # stopped by a signal before the coordinator answered
-    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt, ShardError, ModelFitError) as exc:
+    except (CheckpointError, JournalCorrupt, MergeRecordCorrupt, ShardError, ModelFitError, FolderInUse) as exc:
         # state on disk that cannot be trusted, or a run that cannot hold its model: say
         # what and stop, no traceback
         print(f"ddiloco outer: cannot start: {exc}", file=sys.stderr)

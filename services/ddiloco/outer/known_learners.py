@@ -125,13 +125,13 @@ class KnownLearners:
             self.last_state = resp.state
             self.outer_shards = list(resp.outer_shards) or [resp.outer_address]
 
-    def shard_registered(self, shard: int) -> bool:
-        """Whether the coordinator knows outer shard ``shard``'s address (True until the first
-        refresh: only a coordinator that answered can have forgotten it)."""
+    def shard_entry(self, shard: int) -> str | None:
+        """The address the coordinator lists for outer shard ``shard`` ("" if none), or None
+        before the first refresh (only a coordinator that answered can list a wrong one)."""
         with self._lock:
             if self.outer_shards is None:
-                return True
-            return shard < len(self.outer_shards) and bool(self.outer_shards[shard])
+                return None
+            return self.outer_shards[shard] if shard < len(self.outer_shards) else ""
 
     def shard_addresses(self) -> list[str]:
         with self._lock:

@@ -21,7 +21,7 @@ import grpc
 
 from ddiloco.common import auth, codec, errors
 from ddiloco.common.config import RunConfig
-from ddiloco.common.durable import StorageError
+from ddiloco.common.durable import FolderLock, StorageError
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.paced import Pace, max_pace_seconds
 from ddiloco.common.ratelimit import RateLimiter
@@ -115,6 +115,11 @@ def max_waiting_polls(learners: int) -> int:
 
 class ShardError(ValueError):
     """This process was started as a shard the run does not have."""
+
+
+class Replaced(RuntimeError):
+    """Another live process serves as this outer shard at the address the coordinator lists
+    for it: this one stops (its watch loop raises, and the process exits 1)."""
 
 
 def status_message(st: OuterStatus) -> outer_pb2.OuterStatus:
@@ -526,6 +531,7 @@ class OuterService:
         self.timing = SyncTiming()
         self.server: Server | None = None
         self._threads: list[threading.Thread] = []
+        self._folder_lock: FolderLock | None = None
         # a loop that dies stops the process, which exits 1 and restarts from its checkpoint
         # and journal: a dead merge loop would acknowledge deltas it never merges, a dead watch
         # loop would outlive the run (common/supervision.py)
@@ -562,6 +568,11 @@ class OuterService:
         if self.exporter is not None:
             self.metrics.observers.append(self.exporter.observe)
         state_dir = run_dir / self.name if run_dir else None
+        if state_dir is not None:
+            # one process per folder: a second one (a duplicate service, a shard started with
+            # another's --shard) restored from the folder the first still wrote, took the map,
+            # and both published versions of the same number (raises FolderInUse)
+            self._folder_lock = FolderLock(state_dir)
         self.state = OuterState(self.config, state_dir, self.metrics, shard=shard)
         self.downloads = DownloadViews(
             self.config.learner.codec, self.config.learner.block_size, self.config.learners + max(VIEW_MARGIN, self.config.learners),
@@ -647,6 +658,8 @@ class OuterService:
         # a clean shutdown leaves nothing to replay from the journal; a failure is logged, and
         # the journal still covers everything for the next start
         self.state.checkpoint()
+        if self._folder_lock is not None:
+            self._folder_lock.release()  # nothing more is written to the folder
         if self.supervisor.failed.is_set():
             log.error("outer optimizer stopped: %s", self.supervisor.failure)
         return self.supervisor.exit_code()
@@ -833,17 +846,44 @@ class OuterService:
                 self.known.refresh()
             except grpc.RpcError:
                 continue  # the coordinator may be restarting: keep merging meanwhile
-            if not self.known.shard_registered(self.options.shard) and self.known.last_state != coordinator_pb2.RUN_STATE_FINISHED:
-                # a coordinator restarted without its state does not know us: register again,
-                # or learners registering again would wait for an outer optimizer forever
+            entry = self.known.shard_entry(self.options.shard)
+            if entry is not None and entry != self.address and self.known.last_state != coordinator_pb2.RUN_STATE_FINISHED:
+                # a coordinator restarted without its state does not know us, or our entry names
+                # another address. If a live process answers there as this shard of this run, it
+                # replaced this one (started later, it registered later): two processes taking
+                # deltas for the same fragments would each publish versions of their own, so
+                # this one stops. Otherwise (a registration that named the wrong address, a
+                # process that is gone): register again, or this shard's fragments stay
+                # unreachable and the run never finishes
+                if entry and self._serves_as_this_shard(entry):
+                    log.error("another process serves as outer shard %d at %s: this one (%s) stops",
+                              self.options.shard, entry, self.address)
+                    self.metrics.event("replaced", shard=self.options.shard, by=entry, address=self.address)
+                    raise Replaced(f"another process serves as outer shard {self.options.shard} at {entry}")
                 try:
                     self.coordinator.RegisterService(self._registration(), timeout=3)
-                    log.info("registered again with a coordinator that had lost its state")
+                    if entry:
+                        log.warning("outer shard %d's entry named %s; registered again at %s (if another process "
+                                    "serves as this shard, stop one of them)", self.options.shard, entry, self.address)
+                        self.metrics.event("registered_again", shard=self.options.shard, entry=entry, address=self.address)
+                    else:
+                        log.info("registered again with a coordinator that had lost its state")
                 except grpc.RpcError:
                     continue
             if self.known.last_state == coordinator_pb2.RUN_STATE_FINISHED and self.options.exit_when_finished:
                 log.info("run finished: exiting")
                 self.stop_event.set()
+
+    def _serves_as_this_shard(self, address: str) -> bool:
+        """Whether ``address`` answers as this outer shard of this run (its status: this run,
+        this shard's fragments); False when it does not answer at all."""
+        try:
+            with channel(address, self.options.security, server_role="outer") as ch:
+                status = outer_pb2_grpc.OuterOptimizerStub(ch).GetStatus(outer_pb2.StatusRequest(), timeout=3)
+        except grpc.RpcError:
+            return False
+        mine = [f.index for f in self.state.fragments]
+        return status.run_id == self.config.run_id and sorted(f.fragment for f in status.fragments) == mine
 
     # ------------------------------------------------------------------ helpers
     def keep_broken(self, header: outer_pb2.DeltaHeader, data: bytes) -> None:
