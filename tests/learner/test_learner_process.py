@@ -42,7 +42,19 @@ def run(tmp_path):
 @contextlib.contextmanager
 def _running(tmp_path, flags=()):
     cluster = Cluster(tmp_path)
-    cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", *flags])
+    try:
+        cluster.start_coordinator([*TINY_RUN, "--learners", "2", "--max-seconds", "600", *flags])
+        with _fake_outer(cluster) as fake:
+            try:
+                yield cluster, fake
+            finally:  # while the fake still answers: learners flush to it as they stop
+                cluster.stop_all(grace=5)
+    finally:  # a failing test or set-up too: no process outlives it (a second stop is a no-op)
+        cluster.stop_all(grace=5)
+
+
+@contextlib.contextmanager
+def _fake_outer(cluster: Cluster):
     with channel(cluster.coordinator_address) as ch:
         stub = coordinator_pb2_grpc.CoordinatorStub(ch)
         resp = stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=10)
@@ -56,8 +68,7 @@ def _running(tmp_path, flags=()):
             stub.RegisterService(
                 coordinator_pb2.RegisterServiceRequest(run_id=config.run_id, kind="outer", address=fake.address), timeout=10
             )
-            yield cluster, fake
-            cluster.stop_all(grace=5)
+            yield fake
 
 
 def _learner_exit(cluster: Cluster) -> tuple[int, str]:
