@@ -196,3 +196,33 @@ def test_a_copy_without_the_fragments_shapes_is_never_folded_into_the_parameters
     with pytest.raises(LearnerFailure):
         learner._fold(0, missing)
     assert learner.versions == [0, 0]
+
+
+def test_an_answer_declaring_more_than_the_fragment_can_take_is_refused_before_it_is_received():
+    """A download's declared size is bounded by the fragment's own (its fp32 size, compressed
+    or not: ``transport.download_bound``), checked on the header before a buffer is made.
+    Before, any size up to 16 GiB was taken: a header declaring 1 GiB for a 48-byte fragment
+    had the learner receive 128 MiB before the stream ended."""
+    import numpy as np
+
+    from ddiloco.common.transport import CorruptDownload, OuterClient, download_bound
+    from ddiloco.v1 import common_pb2, outer_pb2
+    from outer_fake import FakeOuter
+
+    class Declares(FakeOuter):
+        def PullGlobal(self, request, context):
+            info = common_pb2.PayloadInfo(payload_bytes=1 << 30)
+            info.tensors.add(name="w", shape=[12], dtype="float32")
+            header = outer_pb2.GlobalHeader(version=1, payload=info, fragment=0, base_version=-1)
+            yield outer_pb2.GlobalChunk(header=header, data=b"")
+            for _ in range(64):  # more than the bound, were it read
+                yield outer_pb2.GlobalChunk(data=bytes(1 << 16))
+
+    assert download_bound([(12,)]) == 48 + (48 >> 7) + 4096
+    with Declares(params=[[("w", np.zeros(12, np.float32))]]) as fake:
+        client = OuterClient(fake.address, fake.run_id, 0)
+        try:
+            with pytest.raises(CorruptDownload, match="1073741824"):
+                client.pull(0, 0, timeout=30, max_bytes=download_bound([(12,)]))
+        finally:
+            client.close()

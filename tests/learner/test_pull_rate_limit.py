@@ -74,7 +74,8 @@ class LimitedOuter:
             for f in range(self.fragments)
         ])
 
-    def pull(self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b"") -> GlobalParams:
+    def pull(self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b"",
+             max_bytes: int = 0) -> GlobalParams:
         try:
             self.limits.take(("PullGlobal", 0), "PullGlobal of learner 0")
         except RateLimited as exc:

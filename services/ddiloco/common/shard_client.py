@@ -25,7 +25,7 @@ import grpc
 from ddiloco.common import codec
 from ddiloco.common.fragments import shard_of
 from ddiloco.common.shard_status import check_shard, combine_statuses
-from ddiloco.common.transport import GlobalParams, OuterClient
+from ddiloco.common.transport import MAX_DOWNLOAD_BYTES, GlobalParams, OuterClient
 from ddiloco.v1 import outer_pb2
 
 
@@ -56,9 +56,10 @@ class ShardedOuterClient:
         return self.owner(fragment).push(enc, fragment=fragment, **kwargs)
 
     def pull(
-        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b"",
+        max_bytes: int = MAX_DOWNLOAD_BYTES,
     ) -> GlobalParams:
-        return self.owner(fragment).pull(fragment, have_version, timeout, pace_s, have_digest)
+        return self.owner(fragment).pull(fragment, have_version, timeout, pace_s, have_digest, max_bytes)
 
     # ------------------------------------------------------------------ status
     def status(self, timeout: float = 3.0, wait_newer_than: int = -1, wait_s: float = 0.0) -> outer_pb2.OuterStatus:

@@ -24,6 +24,17 @@ from ddiloco.common.wire import (
 from ddiloco.v1 import outer_pb2, outer_pb2_grpc
 
 
+# The most a download may declare when its fragment's size is not known here (16 GiB);
+# a learner passes its fragment's own bound (``download_bound``)
+MAX_DOWNLOAD_BYTES = 1 << 34
+
+
+def download_bound(shapes) -> int:
+    """The most bytes a download of a fragment of tensors of ``shapes`` can take as sent: the
+    fragment in fp32 (a change through the run's codec is smaller), compressed or not."""
+    return codec.payload_bound(codec.float32_raw_size("fp32", 0, shapes))
+
+
 class CorruptDownload(Exception):
     """A download that arrived damaged (truncated, checksum mismatch, undecodable): a transport
     fault, worth asking again."""
@@ -171,12 +182,15 @@ class OuterClient:
 
     @_open
     def pull_payload(
-        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b"",
+        max_bytes: int = MAX_DOWNLOAD_BYTES,
     ) -> tuple[outer_pb2.GlobalHeader, memoryview]:
         """One fragment's download as received, not decoded; raises ``errors.Refused`` for a stream
         that is not one. ``pace_s``: ask the server to spread it over that many seconds.
         ``have_digest``: the digest of a copy this side built itself, claimed to be
-        ``have_version`` (``codec.held_digest``; ``PullGlobalRequest.have_digest``)."""
+        ``have_version`` (``codec.held_digest``; ``PullGlobalRequest.have_digest``).
+        ``max_bytes``: the most the answer may declare (the fragment's size in fp32, as a
+        learner knows it: ``download_bound``), refused before anything is allocated."""
         stream = self._pull(
             outer_pb2.PullGlobalRequest(
                 run_id=self.run_id, learner_id=self.learner_id, have_version=have_version, fragment=fragment,
@@ -184,13 +198,14 @@ class OuterClient:
             ),
             timeout=timeout,
         )
-        return reassemble(stream, 1 << 34, "global parameters")
+        return reassemble(stream, max_bytes, "global parameters")
 
     def pull(
-        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b""
+        self, fragment: int, have_version: int, timeout: float, pace_s: float = 0.0, have_digest: bytes = b"",
+        max_bytes: int = MAX_DOWNLOAD_BYTES,
     ) -> GlobalParams:
         try:
-            header, payload = self.pull_payload(fragment, have_version, timeout, pace_s, have_digest)
+            header, payload = self.pull_payload(fragment, have_version, timeout, pace_s, have_digest, max_bytes)
             arrays = decode_payload(header.payload, payload)
         except errors.Refused as exc:
             raise CorruptDownload(f"fragment {fragment}: {exc.message}") from exc

@@ -73,7 +73,7 @@ from ddiloco.common.errors import bounded
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.ratelimit import retry_after
 from ddiloco.common.rpc import TRANSIENT, Backoff
-from ddiloco.common.transport import CorruptDownload, GlobalParams, OuterClient
+from ddiloco.common.transport import MAX_DOWNLOAD_BYTES, CorruptDownload, GlobalParams, OuterClient, download_bound
 from ddiloco.learner.stats import Stats
 from ddiloco.learner.supervision import LearnerFailure, Supervisor
 
@@ -280,8 +280,10 @@ class Puller:
         while True:
             try:
                 digest = b"" if full else self._held_digest.get(fragment, b"")
+                held = self.copies[fragment].arrays  # its shapes bound the answer's size (checked before receiving it)
+                bound = download_bound([a.shape for _, a in held]) if held is not None else MAX_DOWNLOAD_BYTES
                 got = client.pull(fragment, -1 if full else self.copies[fragment].version, timeout=timeout + pace_s,
-                                  pace_s=pace_s, have_digest=digest)
+                                  pace_s=pace_s, have_digest=digest, max_bytes=bound)
                 copy = self._apply(fragment, got, merged_mine, start, refine)
                 self._held_digest.pop(fragment, None)  # confirmed (a change on it) or replaced (in full)
                 self._unsure.discard(fragment)
