@@ -59,10 +59,11 @@ def _refused(capsys, *argv: str) -> str:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--step-seconds", "-0.1"], "step seconds must be finite and >= 0"),
-    (["--step-seconds", "nan"], "step seconds must be finite and >= 0"),
+    (["--step-seconds", "-0.1"], "step seconds must be 0 (off) to 3600"),
+    (["--step-seconds", "nan"], "step seconds must be 0 (off) to 3600"),
     (["--step-seconds", "10"], "must be below the run's lease (10.0 s)"),
-    (["--slow", "0:0.5"], "slowdown must be a finite factor >= 1"),
+    (["--slow", "0:0.5"], "slowdown must be a factor from 1 to 1000"),
+    (["--slow", "0:1e18"], "slowdown must be a factor from 1 to 1000"),  # overflowed the clock in the learner
     (["--slow", "2:3"], "--slow names learner 2, but the run's learners are 0 to 1"),
     (["--slow", "0:2:3"], "--slow expects ID:FACTOR, got '0:2:3'"),
     (["--slow", "0:2", "--slow", "0:5"], "--slow names learner 0 twice (2 and 5)"),
@@ -71,3 +72,36 @@ def test_settings_no_hardware_has_are_refused_before_anything_starts(capsys, tmp
     line = _refused(capsys, "--out", str(tmp_path / "run"), *argv)
     assert message in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_asked_for_on_a_host_without_one_is_refused_before_anything_starts(capsys, tmp_path):
+    """The learners run on this host: without a GPU each failed after the services started,
+    and the run ended a minute later, after its drain."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: --device cuda is right here")
+    line = _refused(capsys, "--out", str(tmp_path / "run"), "--device", "cuda")
+    assert line == "ddiloco run: error: --device cuda: no CUDA device is available"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where, message", [
+    ("a-file", "'{p}' is a file, not a folder"),
+    ("a-file/run", "'{p}' cannot be created: {f} is a file"),
+])
+def test_a_run_folder_that_cannot_be_one_is_refused_when_the_flags_are_read(capsys, tmp_path, where, message):
+    """A file given as --out (or a path under one) was a FileExistsError traceback seconds
+    later, after the workload's preflight."""
+    from ddiloco.cli import main
+
+    (tmp_path / "a-file").write_text("not a folder")
+    path = tmp_path / where
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--learners", "2", "--insecure", "--out", str(path)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(
+        "argument --out: " + message.format(p=path, f=tmp_path / "a-file")
+    )

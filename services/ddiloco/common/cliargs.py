@@ -7,12 +7,19 @@ import argparse
 import logging
 import math
 import os
+import pathlib
 import re
 import shlex
 import sys
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """A flag's value that is not what the flag takes. argparse prints an ArgumentTypeError's
+    own words after the flag's name (a ValueError it reduces to "invalid <type> value"), and
+    code that parses the same forms outside argparse (a ``--fault`` spec) catches a ValueError."""
 
 
 def duration(text: str) -> float:
@@ -22,8 +29,63 @@ def duration(text: str) -> float:
         return math.inf
     m = _DURATION.match(text)
     if not m:
-        raise ValueError(f"not a duration: {text!r} (examples: 60s, 1.5m, 500ms, 20, inf)")
+        raise BadValue(f"not a duration: {text!r} (examples: 60s, 1.5m, 500ms, 20, inf)")
     return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def run_folder(text: str) -> pathlib.Path:
+    """A folder a command writes into: one that exists, or one it can create (its nearest
+    existing parent a writable folder). Checked when the flags are read, so that a path that
+    is a file, or under one, is a one-line error before anything starts, not a traceback
+    from the first write seconds later."""
+    if not text.strip():
+        raise BadValue("a folder, got an empty path")
+    path = pathlib.Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise BadValue(f"{text!r} is a file, not a folder")
+    parent = path.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise BadValue(f"{text!r} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadValue(f"{text!r} cannot be {'written' if parent == path.absolute() else 'created'}: {parent} is not writable")
+    return path
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """One of ``LOG_LEVELS``, in any case (an unknown one was taken as INFO without a word)."""
+    if text.upper() not in LOG_LEVELS:
+        raise BadValue(f"one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return text.upper()
+
+
+MAX_THREADS = 1024
+
+
+def threads(text: str) -> int:
+    """Torch threads of a process: 1 to ``MAX_THREADS`` (0 and negatives were taken as 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadValue(f"a whole number of threads, 1 to {MAX_THREADS}, got {text!r}") from None
+    if not 1 <= value <= MAX_THREADS:
+        raise BadValue(f"1 to {MAX_THREADS} threads, got {value}")
+    return value
+
+
+def bind_address(text: str) -> str:
+    """``HOST:PORT`` to listen on, the port 0 (any free one) to 65535: gRPC took a port
+    beyond that modulo 65536 and listened there, and raised a traceback for no port at all."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise BadValue(f"HOST:PORT to listen on (PORT 0 for any free one), got {text!r}")
+    if int(port_text) > 65535:
+        raise BadValue(f"a port is 0 (any free one) to 65535, got {port_text}")
+    return text
 
 
 def port(text: str) -> int:

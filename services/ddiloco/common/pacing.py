@@ -23,14 +23,22 @@ from __future__ import annotations
 import math
 
 
+# The slowest hardware a run emulates: a factor of 1000 on a step is a stopped learner more
+# than a slow one, and beyond it the waits it asks for overflowed the clock (1e18 crashed a
+# learner with OverflowError, and a run with it)
+MAX_SLOWDOWN = 1000.0
+# The longest step emulated when no lease bounds it (dp): an hour
+MAX_STEP_SECONDS = 3600.0
+
+
 def check(slowdown: float = 1.0, step_seconds: float = 0.0, lease_timeout_s: float | None = None) -> None:
     """Raise ``ValueError`` for a setting no hardware has. ``lease_timeout_s``, when known:
     a step must take less than a lease, or the learner's every window would be refused as
-    work no step can take."""
-    if not (math.isfinite(slowdown) and slowdown >= 1.0):
-        raise ValueError(f"slowdown must be a finite factor >= 1, got {slowdown}")
-    if not (math.isfinite(step_seconds) and step_seconds >= 0.0):
-        raise ValueError(f"step seconds must be finite and >= 0 (0: off), got {step_seconds}")
+    work no step can take; without one, at most ``MAX_STEP_SECONDS``."""
+    if not (math.isfinite(slowdown) and 1.0 <= slowdown <= MAX_SLOWDOWN):
+        raise ValueError(f"slowdown must be a factor from 1 to {MAX_SLOWDOWN:g}, got {slowdown}")
+    if not (math.isfinite(step_seconds) and 0.0 <= step_seconds <= MAX_STEP_SECONDS):
+        raise ValueError(f"step seconds must be 0 (off) to {MAX_STEP_SECONDS:g}, got {step_seconds}")
     if lease_timeout_s is not None and step_seconds >= lease_timeout_s:
         raise ValueError(
             f"step seconds {step_seconds} must be below the run's lease ({lease_timeout_s} s): "

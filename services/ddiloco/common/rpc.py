@@ -305,10 +305,19 @@ def server_credentials(security: Security) -> grpc.ServerCredentials:
     )
 
 
+class BindError(OSError):
+    """A service cannot listen on its ``--bind`` address (in use, not this host's, not an
+    address): the commands say so in one line and exit, where gRPC's RuntimeError was a
+    traceback."""
+
+
 def _add_port(server: grpc.Server, bind: str, security: Security) -> int:
-    if security.enabled:
-        return server.add_secure_port(bind, server_credentials(security))
-    return server.add_insecure_port(bind)
+    try:
+        if security.enabled:
+            return server.add_secure_port(bind, server_credentials(security))
+        return server.add_insecure_port(bind)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise BindError(f"cannot listen on {bind}: in use, or not an address of this host ({exc})") from None
 
 
 def channel(address: str, security: Security | None = None, server_role: str | None = None) -> grpc.Channel:

@@ -11,12 +11,12 @@ import sys
 import time
 
 from ddiloco.common import pacing
-from ddiloco.common.cliargs import apply_env_defaults
+from ddiloco.common.cliargs import apply_env_defaults, run_folder
 from ddiloco.common.runflags import add_run_flags, forward_run_flags, run_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="run folder (default: runs/<time>)")
+    parser.add_argument("--out", type=run_folder, default=None, help="run folder (default: runs/<time>)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="learners' device")
     parser.add_argument(
         "--slow", action="append", default=[], metavar="ID:FACTOR",
@@ -139,6 +139,16 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ddiloco run: error: {exc}", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        # the learners run on this host: without a GPU each would fail after the services
+        # started, and the run after a drain of a minute
+        from ddiloco.common.device import pick_device
+
+        try:
+            pick_device("cuda")
+        except SystemExit as exc:
+            print(f"ddiloco run: error: {exc.code}", file=sys.stderr)
+            return 2
     options = LaunchOptions(
         out=out,
         run_flags=forward_run_flags(args),

@@ -11,12 +11,12 @@ import json
 import pathlib
 import sys
 
-from ddiloco.common.cliargs import apply_env_defaults
+from ddiloco.common.cliargs import apply_env_defaults, run_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=pathlib.Path, metavar="RUN_DIR", help="a run folder (it holds metrics.jsonl)")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the PNGs and summary.md here (default: RUN_DIR/plots)")
+    parser.add_argument("--out", type=run_folder, default=None, help="write the PNGs and summary.md here (default: RUN_DIR/plots)")
     apply_env_defaults(parser)
 
 
