@@ -14,7 +14,7 @@ import pytest
 from ddiloco.common.config import RunConfig
 from ddiloco.common.rpc import channel
 from ddiloco.coordinator.signature import model_signature
-from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+from ddiloco.v1 import coordinator_pb2, coordinator_pb2_grpc, outer_pb2, outer_pb2_grpc
 
 _SIGNATURES: dict[str, coordinator_pb2.ModelSignature] = {}
 
@@ -113,3 +113,15 @@ def events(run_dir: pathlib.Path, kind: str) -> list[dict]:
     if not path.exists():
         return []
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+class OuterAtTheEnd(outer_pb2_grpc.OuterOptimizerServicer):
+    """An outer optimizer (one process) that answers Finalize only, counting the calls: for
+    tests of how the coordinator ends a run."""
+
+    def __init__(self) -> None:
+        self.finalized = 0
+
+    def Finalize(self, request, context):
+        self.finalized += 1
+        return outer_pb2.FinalizeResponse(final_eval_loss=1.5, final_eval_accuracy=0.25)

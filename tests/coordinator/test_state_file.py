@@ -25,6 +25,7 @@ import sys
 import threading
 
 import pytest
+from coord_helpers import OuterAtTheEnd
 from support import wait_until
 
 from ddiloco.common.config import RunConfig
@@ -34,19 +35,10 @@ from ddiloco.coordinator import membership as membership_mod
 from ddiloco.coordinator import service as service_mod
 from ddiloco.coordinator.membership import MemberRecord, Membership
 from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
-from ddiloco.v1 import coordinator_pb2, outer_pb2, outer_pb2_grpc
+from ddiloco.v1 import coordinator_pb2, outer_pb2_grpc
 
 FINISHED = coordinator_pb2.RUN_STATE_FINISHED
 DRAINING = coordinator_pb2.RUN_STATE_DRAINING
-
-
-class _OuterAtTheEnd(outer_pb2_grpc.OuterOptimizerServicer):
-    def __init__(self) -> None:
-        self.finalized = 0
-
-    def Finalize(self, request, context):
-        self.finalized += 1
-        return outer_pb2.FinalizeResponse(final_eval_loss=1.5, final_eval_accuracy=0.25)
 
 
 class _Crash(Exception):
@@ -71,7 +63,7 @@ def _restarted(tmp_path) -> CoordinatorService:
 
 
 def test_a_coordinator_that_died_before_writing_the_report_writes_it_at_restart_from_the_saved_answers(tmp_path, monkeypatch):
-    outer = _OuterAtTheEnd()
+    outer = OuterAtTheEnd()
     server = Server("127.0.0.1:0", ["ddiloco.v1.OuterOptimizer"])
     outer_pb2_grpc.add_OuterOptimizerServicer_to_server(outer, server.grpc_server)
     server.start()

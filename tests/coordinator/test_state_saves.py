@@ -36,14 +36,14 @@ import threading
 
 import grpc
 import pytest
-from coord_helpers import announce_outer, events, fill_disk, membership, register, start_coordinator
+from coord_helpers import OuterAtTheEnd, announce_outer, events, fill_disk, membership, register, start_coordinator
 from support import wait_until
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.rpc import Server
 from ddiloco.coordinator.membership import Membership
 from ddiloco.coordinator.service import CoordinatorOptions, CoordinatorService
-from ddiloco.v1 import common_pb2, coordinator_pb2, outer_pb2, outer_pb2_grpc
+from ddiloco.v1 import common_pb2, coordinator_pb2, outer_pb2_grpc
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs (a real full disk) needs root")
 
@@ -128,18 +128,9 @@ def test_a_registration_the_disk_refuses_is_answered_unavailable_and_its_retry_i
         disk.unmount()
 
 
-class _OuterAtTheEnd(outer_pb2_grpc.OuterOptimizerServicer):
-    def __init__(self) -> None:
-        self.finalized = 0
-
-    def Finalize(self, request, context):
-        self.finalized += 1
-        return outer_pb2.FinalizeResponse(final_eval_loss=1.5, final_eval_accuracy=0.25)
-
-
 @needs_root
 def test_the_end_of_the_run_is_written_once_the_disk_has_space_without_finalizing_twice(tmp_path):
-    outer = _OuterAtTheEnd()
+    outer = OuterAtTheEnd()
     server = Server("127.0.0.1:0", ["ddiloco.v1.OuterOptimizer"])
     outer_pb2_grpc.add_OuterOptimizerServicer_to_server(outer, server.grpc_server)
     server.start()

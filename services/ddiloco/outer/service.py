@@ -237,15 +237,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         if named:
             self._hold_slot(context, self.pushing, ident.learner_id, f"{MAX_PUSH_STREAMS} upload streams", "uploads")
         else:
-            release = self.unnamed_pushes.claim(None)
-            if release is None:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.unnamed_pushes.per_key} upload streams are open already ({MAX_PUSH_STREAMS} per learner of "
-                    "the run); retry once one ends",
-                )
-            if not context.add_callback(release):
-                release()
+            self._hold(
+                context, self.unnamed_pushes, None,
+                f"{self.unnamed_pushes.per_key} upload streams are open already ({MAX_PUSH_STREAMS} per learner of the "
+                "run); retry once one ends",
+            )
         first = self._first_message(request_iterator, context)
         if first is None:
             # no message at all: a client bug, or a sender that died as it opened the stream
@@ -385,20 +381,24 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
             release()
 
     @staticmethod
-    def _hold_slot(context, slots: Slots, learner: int, most: str, what: str) -> Release:
-        """One of ``learner``'s slots in ``slots`` for this call, released when the call ends
-        however it ends (at once if it has ended already); RESOURCE_EXHAUSTED when it holds
-        ``most`` already. Returns the release (idempotent)."""
-        release = slots.claim(learner)
+    def _hold(context, slots: Slots, key, refusal: str) -> Release:
+        """One of ``key``'s slots in ``slots`` for this call, released when the call ends
+        however it ends (at once if it has ended already); RESOURCE_EXHAUSTED saying
+        ``refusal`` when none is free. Returns the release (idempotent)."""
+        release = slots.claim(key)
         if release is None:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"learner {learner} already holds {most} open: its {what} go one after another; "
-                "retry once one ends",
-            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         if not context.add_callback(release):
             release()
         return release
+
+    @classmethod
+    def _hold_slot(cls, context, slots: Slots, learner: int, most: str, what: str) -> Release:
+        """``_hold`` for ``learner``, refused when it holds ``most`` already."""
+        return cls._hold(
+            context, slots, learner,
+            f"learner {learner} already holds {most} open: its {what} go one after another; retry once one ends",
+        )
 
     def _serve_pull(self, request, context, t0: float):
         """The download itself, once its learner holds a slot for it."""
@@ -497,15 +497,11 @@ class OuterServicer(outer_pb2_grpc.OuterOptimizerServicer):
         caller = ident.name if ident is not None else None  # an insecure run's readers share one bound
         with refusals_as_status(context):  # RateLimited: RESOURCE_EXHAUSTED
             self.limits.take(("ReadFragment", caller), f"ReadFragment of {caller or 'callers without a certificate'}")
-        release = self.reading.claim(caller)
-        if release is None:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{caller or 'callers without a certificate'} already hold {MAX_FRAGMENT_READS} fragment reads open: "
-                "reads go one after another; retry once one ends",
-            )
-        if not context.add_callback(release):
-            release()
+        self._hold(
+            context, self.reading, caller,
+            f"{caller or 'callers without a certificate'} already hold {MAX_FRAGMENT_READS} fragment reads open: reads "
+            "go one after another; retry once one ends",
+        )
         if request.run_id != svc.config.run_id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not run {svc.config.run_id!r}"))
         with refusals_as_status(context):  # InvalidArgument: not a fragment of this shard
