@@ -19,14 +19,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
 
-from ddiloco.chaos.faults import Fault, Schedule, check_target, parse_duration, parse_fault, periodic, random_faults
+from ddiloco.chaos.faults import (
+    Fault, Schedule, check_count, check_target, parse_duration, parse_fault, periodic, random_faults,
+)
 from ddiloco.common import pacing
 from ddiloco.common.cliargs import apply_env_defaults
 from ddiloco.common.runflags import add_run_flags, forward_run_flags
+
+
+def period(text: str) -> float:
+    """A positive, finite duration: how often a periodic fault comes. Given, it must make
+    faults (``--kill-every 0`` was dropped silently, the run starting with none); leave the
+    flag out for none."""
+    try:
+        value = parse_duration(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"a positive, finite duration (60s, 1.5m; leave the flag out for none), got {text!r}")
+    return value
+
+
+def rate(text: str) -> float:
+    """Faults a minute: positive and finite. Given, it must make faults (0, -1 and nan were
+    dropped silently); leave the flag out for none. How many it makes is bounded with the
+    schedule (faults.MAX_FAULTS)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of faults a minute, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"a positive, finite number of faults a minute (leave the flag out for none), got {text}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,16 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     _topology_arguments(parser)  # --topology local|netns (partitions need netns), --profile, --wan-qdisc
     g = parser.add_argument_group("faults")
-    g.add_argument("--kill-every", type=parse_duration, default=None, metavar="DUR", help="kill --target every DUR (e.g. 60s)")
+    g.add_argument("--kill-every", type=period, default=None, metavar="DUR", help="kill --target every DUR (e.g. 60s)")
     g.add_argument("--target", default="learner", help="target of --kill-every: learner, learner:ID, outer, outer:I (shard I; outer alone: shard 0), coordinator")
     g.add_argument("--restart-after", type=parse_duration, default=parse_duration("20s"), metavar="DUR",
                    help="restart a killed service after DUR (inf: never)")
-    g.add_argument("--freeze-every", type=parse_duration, default=None, metavar="DUR", help="SIGSTOP --freeze-target every DUR")
+    g.add_argument("--freeze-every", type=period, default=None, metavar="DUR", help="SIGSTOP --freeze-target every DUR")
     g.add_argument("--freeze-for", type=parse_duration, default=parse_duration("15s"), metavar="DUR", help="SIGCONT after DUR")
     g.add_argument("--freeze-target", default="learner")
     g.add_argument("--fault", action="append", default=[], metavar="KIND:TARGET@AT[+DUR]",
                    help="one fault, e.g. kill:outer@90s+3s, freeze:learner:1@30s+15s, partition:dc2@60s+20s (repeatable)")
-    g.add_argument("--random-rate", type=float, default=0.0, metavar="PER_MIN", help="random faults per minute (Poisson)")
+    g.add_argument("--random-rate", type=rate, default=None, metavar="PER_MIN",
+                   help="random faults per minute (Poisson; default: none)")
     g.add_argument("--random-kinds", default="kill", help="comma-separated kinds for random faults")
     g.add_argument("--random-targets", default="learner", help="comma-separated targets for random faults")
     g.add_argument("--random-duration", type=parse_duration, default=parse_duration("20s"), metavar="DUR")
@@ -67,27 +97,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_schedule(args: argparse.Namespace, horizon_s: float) -> Schedule:
+    """The schedule of these flags; a flag that cannot make one is an error line naming it
+    (exit 2), before anything starts."""
     until = args.until if args.until is not None else horizon_s
     faults: list[Fault] = []
+    flag = "--fault"
     try:
-        if args.kill_every:
+        if args.kill_every is not None:
+            flag = "--target"
             check_target("kill", args.target)
+            flag = "--kill-every"
             faults += periodic("kill", args.target, args.kill_every, args.restart_after, until)
-        if args.freeze_every:
+        if args.freeze_every is not None:
+            flag = "--freeze-target"
             check_target("freeze", args.freeze_target)
+            flag = "--freeze-every"
             faults += periodic("freeze", args.freeze_target, args.freeze_every, args.freeze_for, until)
+        flag = "--fault"
         faults += [parse_fault(s) for s in args.fault]
-        if args.random_rate > 0:
+        if args.random_rate is not None:
+            flag = "--random-targets"
             kinds = [k.strip() for k in args.random_kinds.split(",") if k.strip()]
             targets = [t.strip() for t in args.random_targets.split(",") if t.strip()]
             for k in kinds:
                 for t in targets:
                     if not (k == "partition" and t in ("outer", "coordinator")):
                         check_target(k, t)
+            flag = "--random-rate"
             faults += random_faults(args.random_rate, kinds, targets, args.random_duration, until, args.chaos_seed)
+        flag = ""
+        check_count(len(faults), "--kill-every, --freeze-every, --fault and --random-rate together")
     except ValueError as exc:
-        raise SystemExit(f"ddiloco chaos: {exc}")
+        print(f"ddiloco chaos: error: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     return Schedule(faults, seed=args.chaos_seed)
+
+
+def unknown_learner(schedule: Schedule, learners: int) -> str | None:
+    """The first ``learner:ID`` a fault targets that the run does not have (its learners are
+    0 to learners - 1, chaos/run.py), or None."""
+    for f in schedule.faults:
+        if f.target.startswith("learner:") and int(f.target.split(":")[1]) >= learners:
+            return f.target
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,8 +173,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"ddiloco chaos: error: a fault targets outer:{beyond[0]}, but the run has {cfg.outer_shards} outer "
               f"shard{'s' if cfg.outer_shards > 1 else ''} (--outer-shards)", file=sys.stderr)
         return 2
-    print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     learners = args.cfg_learners if args.cfg_learners is not None else 4
+    missing = unknown_learner(schedule, learners)
+    if missing:
+        # it was found only at the end ("fault not injected: no running process for learner:7")
+        print(f"ddiloco chaos: error: a fault targets {missing}, but the run's learners are 0 to {learners - 1} "
+              f"(--learners)", file=sys.stderr)
+        return 2
+    print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, outer_shards=cfg.outer_shards,
                             device=args.device,
                             progress=not args.quiet, step_seconds=args.step_seconds,
@@ -183,6 +241,12 @@ def _main_docker(args: argparse.Namespace) -> int:
         shards = sum(t.startswith("outer:") for t in backend.containers)
         print(f"ddiloco chaos: error: a fault targets {missing[0]}, but project {args.project!r} has {shards} outer "
               f"shard{'s' if shards != 1 else ''} (DDILOCO_OUTER_SHARDS)", file=sys.stderr)
+        return 2
+    have = sorted(int(t.split(":")[1]) for t in backend.containers if t.startswith("learner:"))
+    absent = sorted({f.target for f in schedule.faults if f.target.startswith("learner:")} - set(backend.containers))
+    if absent:
+        print(f"ddiloco chaos: error: a fault targets {absent[0]}, but project {args.project!r} has "
+              f"{'learners ' + ', '.join(map(str, have)) if have else 'no learner'}", file=sys.stderr)
         return 2
     print(f"chaos schedule: {schedule.describe()}\nfault events -> {run_dir}/metrics.jsonl", file=sys.stderr)
     controller = ChaosController(schedule, backend, MetricsLog(run_dir / "metrics.jsonl", "chaos"))

@@ -29,6 +29,23 @@ SERVICES = ("outer", "coordinator")
 
 parse_duration = duration  # the shared duration form (ddiloco.common.cliargs)
 
+# The most faults one schedule holds. Each kills, freezes or cuts off a service and is undone
+# later, and a local service takes seconds to start again: 10,000 is a fault every 0.4 s of
+# an hour's run, beyond what the services can go through. The schedule is also built and
+# printed whole before the run starts (--random-rate 1e18 looped on, making faults).
+MAX_FAULTS = 10_000
+
+
+def check_count(count: float, what: str) -> None:
+    """Refuse ``count`` faults (of ``what``) beyond MAX_FAULTS, before they are made."""
+    if not count <= MAX_FAULTS:  # nan and inf too
+        shown = "faults without end" if math.isinf(count) or math.isnan(count) else f"{math.ceil(count):,} faults"
+        raise ValueError(f"{what}: {shown}; a schedule holds at most {MAX_FAULTS:,}")
+
+
+def _until(until_s: float) -> str:
+    return f"until {until_s:g}s" if math.isfinite(until_s) else "until inf"
+
 
 def check_target(kind: str, target: str) -> None:
     if kind not in KINDS:
@@ -83,9 +100,11 @@ def parse_fault(spec: str) -> Fault:
 
 def periodic(kind: str, target: str, every_s: float, duration_s: float, until_s: float, start_s: float | None = None) -> list[Fault]:
     """One fault every ``every_s`` seconds, the first at ``start_s`` (default: ``every_s``)."""
-    if every_s <= 0:
-        raise ValueError(f"fault period must be positive, got {every_s}")
+    if not (every_s > 0 and math.isfinite(every_s)):
+        raise ValueError(f"fault period must be positive and finite, got {every_s}")
     t = every_s if start_s is None else start_s
+    n = (until_s - t) / every_s if until_s > t else 0.0
+    check_count(math.ceil(n) if math.isfinite(n) else n, f"every {every_s:g}s {_until(until_s)}")
     out = []
     while t < until_s:
         out.append(Fault(t, kind, target, duration_s))
@@ -97,14 +116,17 @@ def random_faults(
     rate_per_min: float, kinds: list[str], targets: list[str], duration_s: float, until_s: float, seed: int
 ) -> list[Fault]:
     """Poisson arrivals at ``rate_per_min``; kind and target drawn uniformly; reproducible by seed."""
-    if rate_per_min <= 0:
-        raise ValueError(f"fault rate must be positive, got {rate_per_min}")
+    if not (rate_per_min > 0 and math.isfinite(rate_per_min)):
+        raise ValueError(f"fault rate must be positive and finite, got {rate_per_min}")
+    what = f"{rate_per_min:g} a minute {_until(until_s)}"
+    check_count(rate_per_min * until_s / 60.0, what)  # the expected count, refused before a draw
     rng = random.Random(seed)
     out, t = [], 0.0
     while True:
         t += rng.expovariate(rate_per_min / 60.0)
         if t >= until_s:
             return out
+        check_count(len(out) + 1, what)  # a draw above the expected count: still bounded
         kind = rng.choice(kinds)
         valid = [x for x in targets if kind != "partition" or x not in SERVICES]
         if not valid:

@@ -172,3 +172,20 @@ def limit_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(max(1, n))
+
+
+def address(text: str) -> str:
+    """A server's ``HOST:PORT`` to dial (``[v6]:PORT`` for an IPv6 literal), the port 1 to
+    65535. gRPC took an empty target only to fail seconds later with a traceback, and a
+    missing port as 443."""
+    host, sep, port_text = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    if (not sep or not host or any(c.isspace() or c == "/" for c in text) or (":" in host and not bracketed)
+            or not port_text.isdigit() or not 1 <= int(port_text) <= 65535):
+        raise BadValue(f"HOST:PORT with a port from 1 to 65535, got {text!r}")
+    return text
+
+
+def advertised_address(text: str) -> str:
+    """'' (the bound address) or a ``HOST:PORT`` others dial."""
+    return address(text) if text else text

@@ -8,6 +8,7 @@ run: give ``--tls-dir`` (or ``DDILOCO_TLS_DIR``, which a container of the deploy
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import sys
@@ -49,10 +50,27 @@ def stopped_serving(address: str, security: Security | None = None, server_role:
     return resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+# A health check answers in milliseconds, and a Docker healthcheck runs every few seconds: an
+# hour is far beyond any wait it needs. Unbounded, -1, nan and 1e18 were all taken and
+# reported as DEADLINE_EXCEEDED, as if the service had failed to answer.
+MAX_TIMEOUT_S = 3600.0
+
+
+def timeout(text: str) -> float:
+    """Seconds to wait for the answer: positive and finite, at most MAX_TIMEOUT_S."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="HOST:PORT of a ddiloco service")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    parser.add_argument("--timeout", type=timeout, default=3.0, help="seconds to wait for an answer (up to 3600)")
     # only this flag reads the environment: a container's DDILOCO_TLS_DIR is its identity
     parser.add_argument("--tls-dir", type=pathlib.Path, default=os.environ.get("DDILOCO_TLS_DIR") or None,
                         help="an identity folder of the run (ca.crt, tls.crt, tls.key): dial with mutual TLS "

@@ -120,8 +120,12 @@ def launch(options: LaunchOptions) -> LaunchResult:
         try:
             topology.start(options.out)
             endpoints = Endpoints(options.out)
+            # --reopen takes the saved membership and budget clock; a run stopped before its
+            # coordinator saved any (it saves at the first registration) has none to take, and
+            # the coordinator refuses --reopen on a folder without them
+            reopen = options.resume and (options.out / "coordinator" / "state.json").exists()
             coordinator = cluster.start_coordinator(
-                options.run_flags + (["--reopen"] if options.resume else []),
+                options.run_flags + (["--reopen"] if reopen else []),
                 http=_http(endpoints, "coordinator", cluster.hub.host, options),
             )
             endpoints.set_grpc("coordinator", cluster.coordinator_address)

@@ -11,6 +11,11 @@ import sys
 from ddiloco.simulate.params import DAY, HOUR, Params
 
 _D = Params()
+# One draw is bounded by model.MAX_PERIODS, the memory of its arrays; --repeats multiplies
+# the draws (and --table by its 20 cells), and --repeats 1000000000 ran until killed. The
+# whole command is bounded in the same count: ten draws at the per-draw limit, a few
+# minutes (a draw of 20 million periods takes about 10 s on one core).
+MAX_TOTAL_PERIODS = 300_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +73,52 @@ def learners_from(args: argparse.Namespace) -> int:
     return m
 
 
+def _draw(units: int, largest: int, down_s: float, p: Params) -> tuple[float, float]:
+    """(periods, failures) one draw lays out for ``units`` failure units of up to ``largest``
+    chips: the count model.renewal_timeline limits, and the failures its error names."""
+    rate = p.failure_rate(largest)
+    if rate <= 0:
+        return float(units), 0.0
+    cycle = 1.0 / rate + down_s
+    expected = p.duration_s / cycle if cycle > 0 else math.inf
+    if not math.isfinite(expected):
+        return math.inf, math.inf
+    return units * float(math.ceil(expected + 6.0 * math.sqrt(expected) + 8)), units * expected
+
+
+def work(method: str, chips: int, learners: int | None, p: Params) -> tuple[float, float]:
+    """(periods, failures) of one draw of ``method``, counted without drawing (nor making
+    an array per unit: --chips 10^12 at --slice-chips 1 is counted as fast as the default)."""
+    if method == "dp":
+        return _draw(1, chips, p.restart_s, p)
+    if method == "elastic-dp":
+        return _draw(-(-chips // p.slice_chips), min(chips, p.slice_chips), p.repair_s, p)
+    return _draw(learners, -(-chips // learners), p.recovery_s, p)
+
+
+def check_work(args: argparse.Namespace, p: Params, learners: int) -> None:
+    """Refuse, before the first draw, a command whose draws together exceed
+    MAX_TOTAL_PERIODS."""
+    from ddiloco.simulate import published as pub
+
+    if args.table:
+        cells = [(*pub.split_row(row), n) for row in pub.TABLE for n in pub.CHIPS]
+    else:
+        cells = [("dp", None, args.chips), ("elastic-dp", None, args.chips), ("ddiloco", learners, args.chips)]
+    periods = failures = 0.0
+    for method, m, chips in cells:
+        a, b = work(method, chips, m, p)
+        periods, failures = periods + a, failures + b
+    if periods * args.repeats > MAX_TOTAL_PERIODS:
+        if not math.isfinite(failures):
+            raise ValueError(f"--days: {args.days:g} days at --mtbi-hours {args.mtbi_hours:g} make more failures than "
+                             f"can be simulated (limit {MAX_TOTAL_PERIODS:,} over all seeds)")
+        raise ValueError(
+            f"--repeats: {args.repeats:,} seeds of {args.days:g} days make about {failures * args.repeats:,.0f} failures to "
+            f"simulate (limit {MAX_TOTAL_PERIODS:,} over all seeds); use fewer seeds, a shorter --days or the closed form"
+        )
+
+
 def main(args: argparse.Namespace) -> int:
     from ddiloco.simulate import report
 
@@ -76,8 +127,9 @@ def main(args: argparse.Namespace) -> int:
         learners = learners_from(args)
         if args.repeats < 1:
             raise ValueError("--repeats must be >= 1")
+        check_work(args, p, learners)
     except ValueError as exc:
-        print(f"ddiloco simulate: {exc}", file=sys.stderr)
+        print(f"ddiloco simulate: error: {exc}", file=sys.stderr)
         return 2
     try:
         if args.table:
@@ -88,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
             result = report.at_size(args.chips, learners, p, seed=args.seed, repeats=args.repeats)
             text = json.dumps(result) if args.json else report.size_markdown(result)
     except ValueError as exc:
-        print(f"ddiloco simulate: {exc}", file=sys.stderr)
+        print(f"ddiloco simulate: error: {exc}", file=sys.stderr)
         return 2
     print(text)
     return 0
