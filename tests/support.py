@@ -227,3 +227,20 @@ def connect(port: int, source: str = "127.0.0.1"):
     import socket
 
     return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def cli_refused(tmp_path: pathlib.Path, argv: list[str], env: dict | None = None) -> str:
+    """Run ``ddiloco ARGV`` in ``tmp_path`` and return its one line of error: it must exit 2
+    with that one line, no traceback, and nothing created in ``tmp_path`` (refused before
+    anything started)."""
+    import subprocess
+
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=20, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created
+    err = proc.stderr.strip()
+    assert "\n" not in err, f"more than one line: {err!r}"
+    return err

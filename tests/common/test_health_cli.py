@@ -18,7 +18,7 @@ def test_a_timeout_no_health_check_takes_is_refused_before_asking(monkeypatch, c
     with pytest.raises(SystemExit) as exc:
         cli.main(["health", "127.0.0.1:1", "--timeout", value])
     assert exc.value.code == 2
-    assert capsys.readouterr().err == f"ddiloco health: error: argument --timeout: a positive number of seconds up to 3600, got {value}\n"
+    assert capsys.readouterr().err == f"ddiloco health: error: argument --timeout: seconds above 0 to 3600 (1 hour), got {value}\n"
 
 
 def test_a_timeout_in_range_is_taken():

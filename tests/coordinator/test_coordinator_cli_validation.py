@@ -11,21 +11,14 @@ import sys
 import time
 
 import pytest
+from support import cli_refused
 
 E = "ddiloco coordinator: error: "
 BASE = ["--bind", "127.0.0.1:0", "--model", "tiny", "--learners", "1", "--insecure"]
 
 
 def _refused(tmp_path, args: list[str]) -> str:
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "ddiloco", "coordinator", *BASE, *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=20)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created
-    err = proc.stderr.strip()
-    assert "\n" not in err, f"more than one line: {err!r}"
-    return err
+    return cli_refused(tmp_path, ["coordinator", *BASE, *args])
 
 
 def test_a_port_file_whose_folder_cannot_be_made_is_refused_before_the_server_starts(tmp_path):

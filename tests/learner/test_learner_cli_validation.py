@@ -6,10 +6,9 @@ state every H steps)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
+from support import cli_refused
 
 from ddiloco.cli import OneLineErrors
 from ddiloco.learner import cli
@@ -20,15 +19,7 @@ E = "ddiloco learner: error: "
 
 
 def _refused(tmp_path, args: list[str], env: dict | None = None) -> str:
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "ddiloco", "learner", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=20, env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created
-    err = proc.stderr.strip()
-    assert "\n" not in err, f"more than one line: {err!r}"
-    return err
+    return cli_refused(tmp_path, ["learner", *args], env)
 
 
 @pytest.mark.parametrize("args, message", [

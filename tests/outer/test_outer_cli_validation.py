@@ -4,10 +4,9 @@ an empty --coordinator was a gRPC traceback 5 s after start ("target uri is not 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
+from support import cli_refused
 
 from ddiloco.cli import OneLineErrors
 from ddiloco.outer import cli
@@ -17,15 +16,7 @@ E = "ddiloco outer: error: "
 
 
 def _refused(tmp_path, args: list[str]) -> str:
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "ddiloco", "outer", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=20)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created
-    err = proc.stderr.strip()
-    assert "\n" not in err, f"more than one line: {err!r}"
-    return err
+    return cli_refused(tmp_path, ["outer", *args])
 
 
 @pytest.mark.parametrize("address", ["", "localhost", "host:0", "host:99999", "::1:50051"])

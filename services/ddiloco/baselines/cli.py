@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import pathlib
 import sys
 import time
 
-from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, setup_logging, threads
+from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, seconds, setup_logging, threads
 from ddiloco.common.config_rules import MAX_INTERVAL_S, MAX_LEARNERS
 from ddiloco.common.runflags import DP_FLAGS, add_run_flags, forward_run_flags, run_config_from_args
 
@@ -32,16 +31,8 @@ RANK_MIB = 256
 MIN_COLLECTIVE_TIMEOUT_S = 0.001
 
 
-def collective_timeout(text: str) -> float:
-    """Seconds a rank waits for its peers in a collective: positive, finite, at most 30 days."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and MIN_COLLECTIVE_TIMEOUT_S <= value <= MAX_INTERVAL_S):
-        raise argparse.ArgumentTypeError(
-            f"seconds from {MIN_COLLECTIVE_TIMEOUT_S:g} to {MAX_INTERVAL_S} (30 days), got {text}")
-    return value
+# Seconds a rank waits for its peers in a collective: positive, finite, at most 30 days
+collective_timeout = seconds(MIN_COLLECTIVE_TIMEOUT_S, MAX_INTERVAL_S)
 
 
 def local_rank_limit() -> int:

@@ -189,3 +189,30 @@ def address(text: str) -> str:
 def advertised_address(text: str) -> str:
     """'' (the bound address) or a ``HOST:PORT`` others dial."""
     return address(text) if text else text
+
+
+def seconds(low: float, high: float, what: str = "seconds"):
+    """An argparse type: a finite number of seconds from ``low`` (excluded when 0: a wait of
+    nothing is no wait) to ``high``; nan, inf and out-of-range values are refused in words."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise BadValue(f"a number of {what}, got {text!r}") from None
+        if not (math.isfinite(value) and (value > 0 if low == 0 else value >= low) and value <= high):
+            lowest = "above 0" if low == 0 else f"from {low:g}"
+            raise BadValue(f"{what} {lowest} to {high:.0f}{_in_words(high)}, got {text}")
+        return value
+
+    parse.__name__ = "seconds"  # argparse names the type in its own messages
+    return parse
+
+
+def _in_words(seconds_: float) -> str:
+    """`` (30 days)`` for a bound of whole days or hours, else nothing."""
+    for unit, size in (("day", 86400), ("hour", 3600)):
+        if seconds_ >= size and seconds_ % size == 0:
+            n = int(seconds_ // size)
+            return f" ({n} {unit}{'s' if n > 1 else ''})"
+    return ""

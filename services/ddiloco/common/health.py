@@ -8,7 +8,6 @@ run: give ``--tls-dir`` (or ``DDILOCO_TLS_DIR``, which a container of the deploy
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import pathlib
 import sys
@@ -16,6 +15,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddiloco.common.cliargs import seconds
 from ddiloco.common.rpc import channel
 from ddiloco.common.security import Security
 
@@ -56,15 +56,7 @@ def stopped_serving(address: str, security: Security | None = None, server_role:
 MAX_TIMEOUT_S = 3600.0
 
 
-def timeout(text: str) -> float:
-    """Seconds to wait for the answer: positive and finite, at most MAX_TIMEOUT_S."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
-        raise argparse.ArgumentTypeError(f"a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {text}")
-    return value
+timeout = seconds(0, MAX_TIMEOUT_S)  # seconds to wait for the answer: above 0, finite, at most MAX_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
