@@ -16,7 +16,7 @@ import time
 
 from ddiloco.common.cliargs import apply_env_defaults, limit_threads, port, seconds, setup_logging, threads
 from ddiloco.common.config_rules import MAX_INTERVAL_S, MAX_LEARNERS
-from ddiloco.common.runflags import DP_FLAGS, add_run_flags, forward_run_flags, run_config_from_args
+from ddiloco.common.runflags import DP_FLAGS, add_run_flags, config_or_error, forward_run_flags
 
 # Ranks started on this machine (no --rank) are processes of their own, each holding torch,
 # the model and its batches: importing torch alone takes about 220 MiB. A world size this
@@ -100,17 +100,6 @@ def problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _config(args: argparse.Namespace):
-    """The run configuration, or None with its one error line printed."""
-    try:
-        return run_config_from_args(args)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(f"ddiloco dp: error: {exc.code}", file=sys.stderr)
-            return None
-        raise
-
-
 def main(args: argparse.Namespace) -> int:
     out = args.out or pathlib.Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S")
     found = problem(args)
@@ -119,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.rank is None:
         return _launch_all(args, out)
-    config = _config(args)
+    config = config_or_error(args, "dp")
     if config is None:
         return 2
     setup_logging(f"dp-rank-{args.rank}")
@@ -155,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
 def _launch_all(args: argparse.Namespace, out: pathlib.Path) -> int:
     from ddiloco.baselines.launch import DPFailed, launch_dp
 
-    if _config(args) is None:  # bad flags fail here, once, not in W children
+    if config_or_error(args, "dp") is None:  # bad flags fail here, once, not in W children
         return 2
     extra = ["--device", args.device, "--threads", str(args.threads), "--collective-timeout", str(args.collective_timeout),
              "--step-seconds", str(args.step_seconds)]

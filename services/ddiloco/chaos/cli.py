@@ -150,15 +150,11 @@ def main(args: argparse.Namespace) -> int:
     from ddiloco.launcher.run import LaunchOptions
     from ddiloco.launcher.topology import TopologyOptions
 
-    from ddiloco.common.runflags import run_config_from_args
+    from ddiloco.common.runflags import config_or_error
 
-    try:
-        cfg = run_config_from_args(args)  # bad run flags fail here, before a folder or a process exists
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(f"ddiloco chaos: error: {exc.code}", file=sys.stderr)
-            return 2
-        raise
+    cfg = config_or_error(args, "chaos")  # bad run flags fail here, before a folder or a process exists
+    if cfg is None:
+        return 2
     try:
         pacing.check(step_seconds=args.step_seconds, lease_timeout_s=cfg.lease_timeout_s)
     except ValueError as exc:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import copy
 import json
 import pathlib
@@ -99,6 +100,19 @@ def _lookup(cfg: RunConfig, dest: str):
     for part in dest.split("."):
         target = getattr(target, part)
     return target
+
+
+def config_or_error(args: argparse.Namespace, command: str) -> RunConfig | None:
+    """``run_config_from_args``, or None once its refusal is printed as ``ddiloco COMMAND:
+    error: ...`` (every command that takes the run flags reads them this way, before a
+    folder or a process exists)."""
+    try:
+        return run_config_from_args(args)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(f"ddiloco {command}: error: {exc.code}", file=sys.stderr)
+            return None
+        raise
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:

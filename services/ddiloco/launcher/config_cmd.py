@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from ddiloco.common.cliargs import apply_env_defaults
-from ddiloco.common.runflags import add_run_flags, run_config_from_args
+from ddiloco.common.runflags import add_run_flags, config_or_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,12 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        cfg = run_config_from_args(args)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(f"ddiloco config: error: {exc.code}", file=sys.stderr)
-            return 2
-        raise
+    cfg = config_or_error(args, "config")
+    if cfg is None:
+        return 2
     print(json.dumps(json.loads(cfg.to_json()), indent=2, sort_keys=True))
     return 0
