@@ -237,3 +237,41 @@ def test_a_folder_that_is_not_a_run_or_has_no_checkpoint_is_refused(tmp_path, ca
         assert message in refused(capsys, str(folder))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "empty"]
     assert sorted(str(p.relative_to(bare)) for p in bare.rglob("*")) == ["config.json", "outer", "outer/checkpoints"]
+
+
+def test_a_new_run_in_a_stopped_runs_folder_is_refused_and_changes_nothing(stopped, tmp_path, capsys):
+    """Without --resume the coordinator and the outer optimizer would restore what they find
+    there (a crash restart): the old run's budget clock, membership and model under the new
+    configuration, and a report of the two mixed. One line, exit 2, the folder untouched."""
+    import shutil
+
+    from ddiloco.cli import main
+
+    run = tmp_path / "run"  # the stopped run as it was before its resumed part wrote a report
+    shutil.copytree(stopped[0], run, ignore=shutil.ignore_patterns("report*.json", "LOCK"))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["run", "--out", str(run), *RUN_FLAGS]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"ddiloco run: error: {run} holds a run that did not finish (config.json, coordinator, outer); "
+        f"continue it with ddiloco run --resume {run}, or choose another --out"
+    ]
+    assert snapshot(run) == before
+
+
+def test_a_fresh_folder_is_one_that_is_missing_empty_or_holds_no_run(tmp_path):
+    from ddiloco.launcher.run import RunFolderInUse, check_fresh_folder
+
+    check_fresh_folder(tmp_path / "missing")
+    check_fresh_folder(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")  # a user's own file is not a run
+    check_fresh_folder(tmp_path)
+    for marker, message in (
+        ("warm-start", "holds a run that did not finish (warm-start)"),  # stopped in its warm start
+        ("outer-1", "holds a run that did not finish (outer-1, warm-start)"),
+        ("report.json", "holds a finished run (report.json)"),
+    ):
+        (tmp_path / marker).mkdir() if "." not in marker else (tmp_path / marker).write_text("{}")
+        with pytest.raises(RunFolderInUse, match=re.escape(message)):
+            check_fresh_folder(tmp_path)

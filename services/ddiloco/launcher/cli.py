@@ -67,7 +67,7 @@ def _topology_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, launch
+    from ddiloco.launcher.run import LaunchOptions, RunFolderInUse, check_fresh_folder, launch
     from ddiloco.launcher.topology import TopologyOptions
 
     if args.resume is not None:
@@ -102,6 +102,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"resuming {args.resume} at version {point.version} ({point.state}, {point.elapsed:.1f} s and "
               f"{point.tokens:,} tokens trained)", file=sys.stderr)
     assert config is not None
+    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if args.resume is None:
+        try:
+            check_fresh_folder(out)  # here too: before the workload's preflight, in one line
+        except RunFolderInUse as exc:
+            print(f"ddiloco run: error: {exc}", file=sys.stderr)
+            return 2
     from ddiloco.workloads import WorkloadError
     from ddiloco.workloads.preflight import preflight
 
@@ -113,7 +120,6 @@ def main(args: argparse.Namespace) -> int:
     except (WorkloadError, warm_start.WarmStartError) as exc:
         print(f"ddiloco run: error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or pathlib.Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     learners = config.learners
     slow = {}
     for item in args.slow:
@@ -211,10 +217,9 @@ def _warm_start(options, config, warm) -> int:
     import dataclasses
 
     from ddiloco.launcher import warm_start
-    from ddiloco.launcher.run import RunFolderInUse, launch
+    from ddiloco.launcher.run import check_fresh_folder, launch
 
-    if (options.out / "report.json").exists():
-        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out")
+    check_fresh_folder(options.out)  # before the warm start trains into it
     folder = options.out / warm_start.FOLDER
     print(f"warm start: one learner trains {warm.steps} inner steps ({warm.tokens:,} tokens) alone in {folder}",
           file=sys.stderr, flush=True)
@@ -232,6 +237,7 @@ def _warm_start(options, config, warm) -> int:
     done = warm_start.read_result(folder)
     try:
         options.run_flags = warm_start.run_flags_after(options.run_flags, config, done)
+        options.warm_started = True
     except warm_start.WarmStartError as exc:
         print(f"ddiloco run: error: {exc}", file=sys.stderr)
         return 2

@@ -62,11 +62,11 @@ def find(run: pathlib.Path) -> ResumePoint:
     except (ValueError, TypeError) as exc:
         raise ResumeError(f"{config_path}: not a run configuration: {exc}") from None
     if not (run / "outer" / "checkpoints").is_dir() and not (run / "outer-0" / "checkpoints").is_dir():
-        raise ResumeError(f"{run}: has no checkpoint (the outer optimizer never started there); start a new run")
+        raise ResumeError(f"{run}: has no checkpoint (the outer optimizer never started there); start a new run in another --out")
     try:
         model = load(run)
     except SourceError as exc:
-        raise ResumeError(f"{exc}; nothing to resume from") from None
+        raise ResumeError(f"{exc}; nothing to resume from: start a new run in another --out") from None
     try:
         state, elapsed, tokens = saved_progress(run / "coordinator" / "state.json")
     except (OSError, ValueError, KeyError) as exc:

@@ -27,6 +27,7 @@ class LaunchOptions:
     step_seconds: float = 0.0  # every learner's step at least this long (dedicated hardware; common/pacing.py)
     progress: bool = True
     resume: bool = False  # continue the stopped run in ``out`` (checked by launcher.resume)
+    warm_started: bool = False  # ``out``/warm-start holds this run's own warm start, just trained
     # a hard stop for a wedged run, in seconds from launch; None: derived from the run's
     # configuration (hard_timeout_s), so that a long budget is never cut short
     timeout_s: float | None = None
@@ -64,6 +65,28 @@ class LaunchResult:
 
 class RunFolderInUse(Exception):
     pass
+
+
+# What a run leaves in its folder from its first seconds on. A new run started where one of
+# these is would not start afresh: the coordinator and the outer optimizer restore what they
+# find (a crash restart), so it would go on with the old run's budget clock, membership,
+# model and journal under the new configuration, and its report would mix the two runs.
+RUN_MARKERS = ("config.json", "coordinator", "outer", "outer-*", "warm-start")
+
+
+def check_fresh_folder(out: pathlib.Path, warm_started: bool = False) -> None:
+    """Raise ``RunFolderInUse`` if ``out`` holds a run (finished or stopped): only
+    ``--resume`` may go on with one. A folder that does not exist, or holds none of
+    ``RUN_MARKERS``, is fresh; ``warm_started``: its warm-start folder is this run's own."""
+    if (out / "report.json").exists():
+        raise RunFolderInUse(f"{out} holds a finished run (report.json); choose another --out, or --resume it")
+    markers = [m for m in RUN_MARKERS if not (warm_started and m == "warm-start")]
+    found = sorted(p.name for marker in markers for p in out.glob(marker)) if out.is_dir() else []
+    if found:
+        raise RunFolderInUse(
+            f"{out} holds a run that did not finish ({', '.join(found)}); continue it with "
+            f"ddiloco run --resume {out}, or choose another --out"
+        )
 
 
 # The budget clock starts when the first learner joins (coordinator/membership.py); before
@@ -107,9 +130,8 @@ def launch(options: LaunchOptions) -> LaunchResult:
         from ddiloco.launcher.resume import set_aside_report
 
         set_aside_report(options.out)  # the resumed run writes its own at the end
-    elif (options.out / "report.json").exists():
-        # the coordinator would resume the finished run's state and refuse every learner
-        raise RunFolderInUse(f"{options.out} holds a finished run (report.json); choose another --out, or --resume it")
+    else:
+        check_fresh_folder(options.out, options.warm_started)
     interrupted = False
     options.out.mkdir(parents=True, exist_ok=True)
     topology = make_topology(options.topology, options.learners, options.out)
