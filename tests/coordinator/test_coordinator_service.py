@@ -55,7 +55,8 @@ def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(c
     a, b = register(stub, token="process-a"), register(stub)
 
     def b_dead_while_a_beats():
-        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=a.learner_id, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1)), timeout=5)
+        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=a.learner_id, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1),
+                                                        instance_token="process-a"), timeout=5)
         m = stub.GetMembership(coordinator_pb2.GetMembershipRequest(), timeout=5)
         alive = {x.learner_id: x.alive for x in m.members}
         return alive[a.learner_id] and not alive[b.learner_id]
@@ -73,7 +74,7 @@ def test_a_silent_learner_loses_its_lease_and_its_id_goes_to_the_next_newcomer(c
 def test_unknown_learner_heartbeat_and_wrong_run_are_refused(shared):
     _, stub = shared
     with pytest.raises(grpc.RpcError) as info:
-        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=42), timeout=5)
+        stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=42, instance_token="t"), timeout=5)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
     with pytest.raises(grpc.RpcError) as info:
@@ -95,10 +96,11 @@ def test_heartbeats_count_outer_registrations_so_a_restart_at_the_same_address_s
     _, stub = coordinator
     outer = coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9")
     stub.RegisterService(outer, timeout=5)
-    me = register(stub)
+    me = register(stub, token="me")
 
     def beat():
-        return stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=me.learner_id), timeout=5)
+        return stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=me.learner_id, instance_token="me"),
+                              timeout=5)
 
     first = beat()
     assert (first.outer_address, first.outer_registrations) == ("127.0.0.1:9", 1)
@@ -115,7 +117,7 @@ def test_state_survives_a_coordinator_restart(coordinator):
 
     cluster, stub = coordinator
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
-    ids = [register(stub).learner_id for _ in range(2)]
+    ids = [register(stub, token=f"process-{k}").learner_id for k in range(2)]
     cluster.stop_all()
     cluster.procs.clear()
     cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600"])
@@ -125,7 +127,8 @@ def test_state_survives_a_coordinator_restart(coordinator):
     assert [x.learner_id for x in m.members] == ids
     assert m.outer_address == "127.0.0.1:9"
     assert m.state == coordinator_pb2.RUN_STATE_RUNNING
-    beat = stub2.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=ids[0]), timeout=5)
+    beat = stub2.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=ids[0], instance_token="process-0"),
+                           timeout=5)
     assert beat.outer_registrations == 1, "the count of outer registrations is persisted too"
 
 

@@ -67,7 +67,8 @@ def test_a_learner_restarted_under_a_live_id_waits_for_the_lease_then_joins(coor
 
     def previous_process_heartbeats():
         while previous_alive.is_set():
-            stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=0, stats=common_pb2.LearnerStats()), timeout=5)
+            stub.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=0, stats=common_pb2.LearnerStats(),
+                                                            instance_token="previous-process"), timeout=5)
             time.sleep(0.3)
 
     beats = threading.Thread(target=previous_process_heartbeats, daemon=True)

@@ -136,7 +136,8 @@ def test_once_the_lease_expires_a_new_process_takes_the_id_as_a_new_incarnation(
 
     stub = short_lease_stub
     stub.Heartbeat(
-        coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=0, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1)),
+        coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=0, stats=common_pb2.LearnerStats(tokens=256, inner_steps=1),
+                                         instance_token="first"),
         timeout=5,
     )
     wait_until(lambda: not membership(stub).members[0].alive, 10, "learner 0's lease (1.5 s) to expire", interval=0.1)

@@ -29,15 +29,24 @@ INT64_MAX = (1 << 63) - 1
 TOKENS_PER_STEP = 4 * 64  # TINY_RUN: batch 4 x context 64
 
 
-def heartbeat(stub, learner_id, run_id="run", **stats):
+def token(learner_id: int) -> str:
+    """The instance token learner ``learner_id`` registers with here (``with_two_learners``)."""
+    return f"process-{learner_id}"
+
+
+def heartbeat(stub, learner_id, run_id="run", instance_token=None, **stats):
     return stub.Heartbeat(
-        coordinator_pb2.HeartbeatRequest(run_id=run_id, learner_id=learner_id, stats=common_pb2.LearnerStats(**stats)), timeout=5
+        coordinator_pb2.HeartbeatRequest(run_id=run_id, learner_id=learner_id, stats=common_pb2.LearnerStats(**stats),
+                                         instance_token=token(learner_id) if instance_token is None else instance_token),
+        timeout=5,
     )
 
 
-def leave(stub, learner_id, run_id="run", **stats):
+def leave(stub, learner_id, run_id="run", instance_token=None, **stats):
     return stub.Leave(
-        coordinator_pb2.LeaveRequest(run_id=run_id, learner_id=learner_id, stats=common_pb2.LearnerStats(**stats)), timeout=5
+        coordinator_pb2.LeaveRequest(run_id=run_id, learner_id=learner_id, stats=common_pb2.LearnerStats(**stats),
+                                     instance_token=token(learner_id) if instance_token is None else instance_token),
+        timeout=5,
     )
 
 
@@ -52,7 +61,7 @@ def refused(call, code, *words):
 def with_two_learners(stub):
     """Learners a and b registered; a has reported 10 steps, b nothing yet."""
     announce_outer(stub)
-    a, b = register(stub).learner_id, register(stub).learner_id
+    a, b = register(stub, requested=0, token=token(0)).learner_id, register(stub, requested=1, token=token(1)).learner_id
     heartbeat(stub, a, tokens=10 * TOKENS_PER_STEP, inner_steps=10)
     return stub, a, b
 
@@ -114,6 +123,22 @@ def test_leave_needs_the_run_id_and_a_registered_learner(two_learners):
     assert snapshot(stub) == before
 
 
+def test_a_heartbeat_or_leave_that_names_no_process_is_refused_and_changes_nothing(two_learners):
+    """Taken as the holder's, one kept a dead learner's lease alive (its successor refused),
+    filled the holder's counters (its own honest reports then "went backwards"), or left
+    for it: anyone without certificates, or a replaced process that dropped its token."""
+    stub, a, b = two_learners
+    before = snapshot(stub)
+    for call in (heartbeat, leave):
+        for lid in (a, b):
+            refused(lambda: call(stub, lid, instance_token="", tokens=11 * TOKENS_PER_STEP, inner_steps=11),
+                    grpc.StatusCode.INVALID_ARGUMENT, "instance_token must be 1 to")
+    assert snapshot(stub) == before
+    # the holder's own report is taken as before (the same 10 steps: the shared learners'
+    # later tests start from them)
+    heartbeat(stub, a, tokens=10 * TOKENS_PER_STEP, inner_steps=10)
+
+
 def test_honest_reports_are_summed_and_liars_cannot_overflow_the_totals(own_two_learners):
     stub, a, b = own_two_learners
     for lid in (a, b):
@@ -132,7 +157,7 @@ def test_an_impossible_claim_cannot_drain_a_token_budget(tmp_path):
     cluster, stub = start_coordinator(tmp_path, ["--max-tokens", str(1000 * TOKENS_PER_STEP), "--max-seconds", "4"])
     try:
         announce_outer(stub)
-        a = register(stub).learner_id
+        a = register(stub, requested=0, token=token(0)).learner_id
         heartbeat(stub, a, tokens=7 * TOKENS_PER_STEP, inner_steps=7)
         refused(lambda: leave(stub, a, tokens=INT64_MAX, inner_steps=INT64_MAX), grpc.StatusCode.INVALID_ARGUMENT)
         # 10^6 steps a second after 7: beyond any learner's speed

@@ -112,6 +112,7 @@ def system(tmp_path_factory):
         coordinator_pb2.HeartbeatRequest(
             run_id=s.run_id, learner_id=s.ids[0],
             stats=common_pb2.LearnerStats(tokens=10 * tokens_per_step, inner_steps=10, deltas_sent=2, deltas_acked=2),
+            instance_token=s.tokens[s.ids[0]],
         ),
         timeout=5,
     )
@@ -196,7 +197,7 @@ def heartbeat_requests(s: System):
         run_id=st.one_of(st.just(s.run_id), texts()),
         learner_id=st.one_of(st.sampled_from(s.ids), int32s()),
         stats=any_stats(),
-        # none (not checked), a member's own (right for that member only), or any text
+        # none (refused), a member's own (right for that member only), or any text
         instance_token=st.one_of(st.just(""), st.sampled_from([s.tokens[i] for i in s.ids]), texts()),
     )
 

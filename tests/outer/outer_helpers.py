@@ -81,6 +81,11 @@ def fingerprint(state) -> tuple:
 
 
 # ---------------------------------------------------------------- real processes
+# the instance token each id was registered with, by (coordinator address, learner id): its
+# heartbeats must carry it
+TOKENS: dict[tuple[str, int], str] = {}
+
+
 def register(coordinator_address: str, n: int) -> list[int]:
     """Register ``n`` learner ids with the coordinator without starting learners."""
     import secrets
@@ -90,15 +95,16 @@ def register(coordinator_address: str, n: int) -> list[int]:
     stub = coordinator_pb2_grpc.CoordinatorStub(channel(coordinator_address))
     config = RunConfig.from_json(stub.GetRunConfig(coordinator_pb2.GetRunConfigRequest(), timeout=5).config_json)
     signature = model_signature(config)
-    return [
-        stub.Register(
-            coordinator_pb2.RegisterRequest(
-                address="test", requested_learner_id=-1, instance_token=secrets.token_hex(8), model=signature
-            ),
+    ids = []
+    for _ in range(n):
+        token = secrets.token_hex(8)
+        learner_id = stub.Register(
+            coordinator_pb2.RegisterRequest(address="test", requested_learner_id=-1, instance_token=token, model=signature),
             timeout=5,
         ).learner_id
-        for _ in range(n)
-    ]
+        TOKENS[(coordinator_address, learner_id)] = token
+        ids.append(learner_id)
+    return ids
 
 
 class Remote:

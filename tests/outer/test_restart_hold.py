@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 
-from outer_helpers import Remote, register
+from outer_helpers import TOKENS, Remote, register
 
 from ddiloco.common.metrics import read_events
 from ddiloco.common.rpc import channel
@@ -34,6 +34,7 @@ class Heartbeats:
     def __init__(self, address: str, run_id: str, ids: list[int]) -> None:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(channel(address))
         self.run_id, self.ids = run_id, ids
+        self.tokens = [TOKENS[(address, i)] for i in ids]
         self.stop = threading.Event()
         self.errors: list[Exception] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -41,10 +42,11 @@ class Heartbeats:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            for i in self.ids:
+            for i, token in zip(self.ids, self.tokens):
                 try:
                     self.stub.Heartbeat(
-                        coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=i, stats=common_pb2.LearnerStats()),
+                        coordinator_pb2.HeartbeatRequest(run_id=self.run_id, learner_id=i, stats=common_pb2.LearnerStats(),
+                                                         instance_token=token),
                         timeout=5,
                     )
                 except Exception as exc:  # noqa: BLE001 - reported by the test, not swallowed

@@ -63,7 +63,8 @@ class System:
         return (peer or self.learners[i]).coordinator.Register(req, timeout=10)
 
     def heartbeat(self, i: int, as_id: int | None = None):
-        req = coordinator_pb2.HeartbeatRequest(run_id=RUN, learner_id=i if as_id is None else as_id, stats=common_pb2.LearnerStats())
+        req = coordinator_pb2.HeartbeatRequest(run_id=RUN, learner_id=i if as_id is None else as_id, stats=common_pb2.LearnerStats(),
+                                               instance_token=self.tokens.get(i, ""))
         return self.learners[i].coordinator.Heartbeat(req, timeout=10)
 
     def pull(self, i: int, as_id: int | None = None, peer: Peer | None = None):

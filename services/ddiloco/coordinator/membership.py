@@ -33,7 +33,10 @@ Its heartbeats and its Leave carry its token, and once the token is not the inca
 they are refused with ``Superseded``, changing nothing, so the old process learns at its
 first heartbeat after the cut heals that it must stop, rather than train the same shard
 and upload under the same id beside its successor (whose record it would otherwise renew,
-fill with its own counters, or mark as left). A heartbeat without a token is not checked.
+fill with its own counters, or mark as left). A heartbeat or Leave without a token is
+refused (``InvalidArgument``): one that was taken as the holder's let a replaced process
+that dropped its token, or anyone without certificates, renew a dead learner's lease, fill
+its successor's counters or leave for it.
 The Register answer gives the process its incarnation number, which its deltas carry, so
 that the outer optimizer refuses a replaced process's uploads as well, also while only the
 coordinator is cut off from it (ddiloco.outer.known_learners).
@@ -218,15 +221,18 @@ class Membership:
         if run_id != self.config.run_id and not (allow_empty and not run_id):
             raise FailedPrecondition(f"this coordinator runs {self.config.run_id!r}, not {run_id!r}")
 
-    def _registered(self, learner_id: int, token: str = "") -> MemberRecord:
-        """The id's record, for the process ``token`` (empty: any); ``Superseded`` if another
-        process holds the id since (the module docstring)."""
-        if len(token) > MAX_TOKEN_CHARS:
-            raise InvalidArgument(f"instance_token must be at most {MAX_TOKEN_CHARS} characters, got {len(token)}")
+    def _registered(self, learner_id: int, token: str) -> MemberRecord:
+        """The id's record, for the process ``token``; ``Superseded`` if another process holds
+        the id since (the module docstring)."""
+        if not token or len(token) > MAX_TOKEN_CHARS:
+            raise InvalidArgument(
+                f"instance_token must be 1 to {MAX_TOKEN_CHARS} characters (the one this process registered with), "
+                f"got {len(token)}"
+            )
         rec = self.members.get(learner_id)
         if rec is None:
             raise NotFound(f"learner {learner_id} is not registered; register again")
-        if token and token != rec.instance_token:
+        if token != rec.instance_token:
             raise Superseded(
                 f"learner {learner_id} is held by another process (incarnation {rec.incarnation}) than the one "
                 "that sent this: that process was cut off past its lease and replaced, and must stop; its "
@@ -318,7 +324,7 @@ class Membership:
             raise ResourceExhausted(f"all {self.max_ids} learner ids of this run are held by live learners")
         return free
 
-    def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> MemberRecord:
+    def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str) -> MemberRecord:
         self._check_run(run_id)
         bounds = self.bounds
         with self.lock:
@@ -331,7 +337,7 @@ class Membership:
             self.dead_announced.discard(learner_id)
             return rec
 
-    def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str = "") -> None:
+    def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str) -> None:
         self._check_run(run_id)
         bounds = self.bounds
         with self.lock:
