@@ -55,7 +55,7 @@ def test_a_full_disk_does_not_stop_the_lease_timer_and_the_state_is_saved_once_t
 def test_an_unexpected_error_in_the_timer_stops_the_coordinator_with_exit_status_1(tmp_path, monkeypatch):
     svc = CoordinatorService(RunConfig(), CoordinatorOptions(bind="127.0.0.1:0", run_dir=tmp_path))
 
-    def broken_tick():
+    def broken_tick(*_):
         raise ZeroDivisionError("lease arithmetic")
 
     monkeypatch.setattr(svc.members, "tick", broken_tick)

@@ -13,10 +13,14 @@ from typing import Callable
 
 from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
 
+# The most a learner's step may weigh, in the run's step weights: the outer optimizer admits
+# no delta heavier per step (outer/admission.py), and the coordinator confirms a token
+# budget with it (coordinator/stats_rules.py).
+MAX_BATCH_FACTOR = 16
 # A learner's group on one host. A group step weighs its R batches and the outer optimizer
 # admits at most 16 x the run's step weight per step (outer/admission.py), so a learner of
 # more ranks than that (in a run of one) would have every delta refused.
-MAX_RANKS_PER_LEARNER = 16
+MAX_RANKS_PER_LEARNER = MAX_BATCH_FACTOR
 MAX_LEARNERS = 1_000_000  # learner ids live in [0, 2M) (coordinator); shards are one per learner
 MAX_FRAGMENTS = 1024
 # The largest chunk of a delta or download stream. A stream's first message carries its

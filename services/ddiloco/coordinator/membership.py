@@ -80,7 +80,15 @@ from ddiloco.common.errors import (
     Unavailable,
 )
 from ddiloco.coordinator.signature import check_signature, model_signature
-from ddiloco.coordinator.stats_rules import ADDITIVE, STATS_FIELDS, Bounds, check_report, saturating_sum, stats_to_dict
+from ddiloco.coordinator.stats_rules import (
+    ADDITIVE,
+    STATS_FIELDS,
+    Bounds,
+    check_report,
+    confirmed_tokens,
+    saturating_sum,
+    stats_to_dict,
+)
 from ddiloco.v1 import common_pb2, coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -362,9 +370,30 @@ class Membership:
             self.outer_registrations += 1
             self._save_for(f"outer shard {shard}'s registration")
 
-    def tick(self) -> list[tuple[str, dict]]:
+    def claims_spend_token_budget(self) -> bool:
+        """Whether the running run's learners claim its token budget spent: ``tick`` ends it
+        only once the outer optimizer's answered work confirms it (``stats_rules``)."""
+        with self.lock:
+            return (self.state == coordinator_pb2.RUN_STATE_RUNNING and self.config.max_tokens > 0
+                    and self.tokens() >= self.config.max_tokens)
+
+    def tokens_confirmed(self, answered: dict[int, int]) -> int:
+        """The learners' claimed tokens as far as ``answered`` (per learner id, the tokens of
+        its work the outer optimizer answered for good) confirms them (``stats_rules``)."""
+        bounds = self._bounds  # known once a learner registered; before, no learner claims anything
+        with self.lock:
+            claimed = {i: r.total_stats()["tokens"] for i, r in self.members.items()}
+        if bounds is None or not bounds.unanswered:
+            return saturating_sum(claimed.values())
+        return confirmed_tokens(claimed, answered, bounds.unanswered)
+
+    def tick(self, answered: dict[int, int] | None = None) -> list[tuple[str, dict]]:
         """Advance leases and the run state; returns events to log. Called periodically; the
-        caller saves the state when there are events (a failed save must not lose them)."""
+        caller saves the state when there are events (a failed save must not lose them).
+        ``answered``: the outer optimizer's answered work per learner id, read when the claims
+        spend the token budget (``claims_spend_token_budget``); None: not read, and the
+        token budget is not ended on claims alone."""
+        confirmed = self.tokens_confirmed(answered) if answered is not None else None
         events = []
         with self.lock:
             for i, rec in self.members.items():
@@ -373,11 +402,15 @@ class Membership:
                     events.append(("learner_dead", {"learner": i, "silent_s": round(self.clock() - rec.last_heartbeat, 2)}))
             if self.state == coordinator_pb2.RUN_STATE_RUNNING:
                 over_time = self.elapsed() >= self.config.max_seconds
-                over_tokens = self.config.max_tokens > 0 and self.tokens() >= self.config.max_tokens
+                over_tokens = (self.config.max_tokens > 0 and self.tokens() >= self.config.max_tokens
+                               and confirmed is not None and confirmed >= self.config.max_tokens)
                 if over_time or over_tokens:
                     self.state = coordinator_pb2.RUN_STATE_DRAINING
                     self.drain_started = self.clock()
-                    events.append(("draining", {"elapsed": round(self.elapsed(), 2), "tokens": self.tokens()}))
+                    fields = {"elapsed": round(self.elapsed(), 2), "tokens": self.tokens()}
+                    if confirmed is not None:
+                        fields["tokens_confirmed"] = confirmed
+                    events.append(("draining", fields))
         return events
 
     def drained(self) -> bool:

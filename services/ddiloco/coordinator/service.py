@@ -23,7 +23,7 @@ from ddiloco.common.health import stopped_serving
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.rpc import Server, call_with_retry, channel, refusals_as_status
 from ddiloco.common.security import Security
-from ddiloco.common.shard_status import check_shard, combine_statuses
+from ddiloco.common.shard_status import check_shard, combine_statuses, read_status
 from ddiloco.common.supervision import Supervisor
 from ddiloco.coordinator.membership import STATE_NAMES, Membership, StateFileError
 from ddiloco.coordinator.stats_rules import saturating_sum
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.1  # how soon the serving loop notices the run finished
 LINGER_POLL_S = 0.05  # between two looks at the outer shards' health after FINISHED
+# one read of the outer optimizer's answered work, on the timer's thread (leases wait on it)
+ANSWERED_READ_S = 1.0
 
 # who may call what (ddiloco.common.auth): learners register and renew only themselves, only
 # the outer optimizer announces itself, anyone of the run may read its configuration
@@ -159,6 +161,7 @@ class CoordinatorService:
                                tokens=reached["tokens"], max_seconds=config.max_seconds, max_tokens=config.max_tokens)
         self.stop_event = threading.Event()
         self.finished = threading.Event()
+        self._answered_unread = False  # the outer optimizer's answered work could not be read (logged once)
         # a background loop that dies stops the process, which exits 1 (common/supervision.py)
         self.supervisor = Supervisor("coordinator", on_failure=self.stop_event.set)
         self.report: dict | None = None
@@ -264,7 +267,8 @@ class CoordinatorService:
         save_error: str | None = None
         end_error: str | None = None  # the report or the FINISHED state not written yet
         while not self.stop_event.wait(0.25):
-            events = self.members.tick()
+            answered = self._answered_work() if self.members.claims_spend_token_budget() else None
+            events = self.members.tick(answered)
             for kind, fields in events:
                 self.metrics.event(kind, **fields)
             # after a state change at once (a restart must find the run draining), else every
@@ -299,6 +303,25 @@ class CoordinatorService:
                         log.error("the run's end is not saved (retrying): %s", exc)
                         self.metrics.event("state_save_failed", reason=str(exc))
                     end_error = str(exc)
+
+    def _answered_work(self) -> dict[int, int] | None:
+        """Per learner id, the tokens of its work the outer optimizer answered for good, which
+        confirm the learners' claims before the token budget ends the run (``stats_rules``);
+        None while it cannot be read (down, restarting): the budget waits for the next tick."""
+        addresses = list(self.members.outer_shards)
+        if not all(addresses):
+            return None
+        try:
+            status = read_status(addresses, self.options.security, timeout=ANSWERED_READ_S)
+        except grpc.RpcError as exc:
+            if not self._answered_unread:  # once per streak, not four times a second
+                log.warning("the token budget is claimed spent; waiting for the outer optimizer to confirm it: %s",
+                            errors.bounded(str(exc.details() if hasattr(exc, "details") else exc)))
+            self._answered_unread = True
+            return None
+        self._answered_unread = False
+        # resume_tokens: 0 from an outer optimizer that predates it, whose tokens_accepted is the same less refusals
+        return {r.learner_id: max(r.resume_tokens, r.tokens_accepted) for r in status.learners}
 
     def _finished_before(self) -> None:
         """Restarted in FINISHED: the run's end is completed, never redone (its outer

@@ -32,10 +32,22 @@ With these, one incarnation's tokens stay below ~2^50 for any configuration the 
 accept, so totals over the bounded membership cannot overflow int64; ``saturating_sum``
 clamps anyway, so no later change can bring back "Value out of range".
 
-Residual: a caller that registers a fresh id can still claim up to the bounds in its first
-report (the coordinator cannot tell its first report from that of a learner that rejoins
-after the coordinator lost its state). The authoritative figure of trained work is the
-outer optimizer's ``tokens_merged``, which the report carries alongside.
+These bounds keep the totals meaningful and the arithmetic safe; they are far too loose to
+stand between one caller and the run's ``--max-tokens`` (a learner's first report may claim
+up to them: the coordinator cannot tell it from that of a learner that rejoins after the
+coordinator lost its state, and 10 s of 10,000 steps a second is more than most budgets).
+So the budget is spent only once the outer optimizer confirms it (``confirmed_tokens``):
+each learner id counts its claim, but at most the tokens of its work the outer optimizer
+has answered for good (accepted, or refused as stale: its ``resume_tokens``) plus what a
+learner can hold unanswered (``unanswered_allowance``), and nothing before the outer
+optimizer has answered any of its work. The allowance is one process's at 16x the run's
+batch, so it also covers, at the run's batch, the work of the several processes an id
+may have lost to kills and trained again. An honest run ends where it did, but for the
+first window of a learner that joins at the very end; a caller that claims work the outer
+optimizer never received cannot end the run, and one whose deltas it accepts (a member of
+the run, which can poison the model within the admission bounds anyway: docs/security.md)
+can move the end by at most its allowance. The report's authoritative figure of trained
+work is the outer optimizer's ``tokens_merged``.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ import math
 from dataclasses import dataclass
 
 from ddiloco.common.config import RunConfig
+from ddiloco.common.config_rules import MAX_BATCH_FACTOR
 from ddiloco.common.errors import InvalidArgument
 from ddiloco.v1 import common_pb2
 
@@ -65,6 +78,9 @@ BURST_S = 10.0  # a report may arrive up to its RPC timeout (5 s) after it was t
 class Bounds:
     lifetime_s: float
     tokens_per_step: int
+    # tokens one learner process may have trained that the outer optimizer has not answered
+    # (``unanswered_allowance``); 0: not known (then the budget is confirmed by claims only)
+    unanswered: int = 0
 
     @classmethod
     def for_run(cls, config: RunConfig, step_weight: int | None = None) -> "Bounds":
@@ -76,7 +92,7 @@ class Bounds:
             from ddiloco.workloads import load
 
             step_weight = load(config).step_weight()
-        return cls(lifetime, BATCH_MULTIPLE * step_weight)
+        return cls(lifetime, BATCH_MULTIPLE * step_weight, unanswered_allowance(config, step_weight))
 
     def rate(self, name: str) -> float:
         """Most of ``name`` per second of a learner's life."""
@@ -127,6 +143,26 @@ def check_report(bounds: Bounds, previous: dict, new: dict, seconds_since_previo
                 raise InvalidArgument(
                     f"stats.{name} grew by {after - before} in {seconds_since_previous:.3g} s; at most {allowed:.6g} is possible"
                 )
+
+
+def unanswered_allowance(config: RunConfig, step_weight: int) -> int:
+    """The most tokens one learner process may have trained that the outer optimizer has not
+    answered for good. Its uploader holds, per fragment, one delta being sent and one queued
+    (of at most ``max_delta_steps`` each: training waits for room, learner/uploader.py), and
+    one more while the learner leaves; the window in training adds H, and fragments staggered
+    by H/P another H. Each step weighs at most ``MAX_BATCH_FACTOR`` x the run's step weight
+    (what the outer optimizer admits)."""
+    steps = 2 * config.learner.inner_steps + 3 * config.learner.max_delta_steps()
+    return steps * MAX_BATCH_FACTOR * step_weight
+
+
+def confirmed_tokens(claimed: dict[int, int], answered: dict[int, int], allowance: int) -> int:
+    """The run's trained tokens as far as the outer optimizer confirms them: each learner id's
+    claim (``claimed``, over all its processes), but at most the tokens of its work the outer
+    optimizer answered (``answered``) plus ``allowance``; nothing before it answered any."""
+    return saturating_sum(
+        min(tokens, answered[i] + allowance) if answered.get(i, 0) > 0 else 0 for i, tokens in claimed.items()
+    )
 
 
 def saturating_sum(values) -> int:

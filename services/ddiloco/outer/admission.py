@@ -48,11 +48,11 @@ import torch
 
 from ddiloco.common import codec, merge
 from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
+from ddiloco.common.config_rules import MAX_BATCH_FACTOR
 from ddiloco.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Stale
 from ddiloco.common.wire import PB_TO_CODEC
 from ddiloco.outer.records import Fragment
 
-MAX_BATCH_FACTOR = 16
 # A learner's sequence numbers go up by one per upload (a refused upload uses one up too).
 # A jump beyond this cannot come from an uploader, and would make the learner's own later
 # deltas look like repeats (ALREADY_EXISTS).
