@@ -151,7 +151,7 @@ def test_a_checkpoint_alone_has_no_group_sizes_and_an_unreadable_state_is_named(
 
 
 def test_a_missing_or_foreign_source_is_one_precise_error(tmp_path, capsys):
-    args = argparse.Namespace(source=tmp_path / "nothing", version=None, out=tmp_path / "m.safetensors")
+    args = argparse.Namespace(source=tmp_path / "nothing", version=None, out=tmp_path / "m.safetensors", trust_workload=False)
     assert export_cmd.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ddiloco export: error: ") and "not a run folder" in err and "\n" not in err
@@ -188,3 +188,55 @@ def test_generate_refuses_impossible_settings_before_loading_anything(tmp_path, 
     setattr(args, flag, value)
     assert generate_cmd.main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def _export_naming(folder, tmp_path, workload: str):
+    """An export of the run whose metadata names ``workload`` as the code that builds it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path / "model.safetensors"
+    export_cmd.export(folder, out)
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    cfg = json.loads(meta["ddiloco.run_config"])
+    cfg["workload"]["name"] = workload
+    meta["ddiloco.run_config"] = json.dumps(cfg)
+    named = tmp_path / "named.safetensors"
+    save_file(load_file(str(out)), str(named), metadata=meta)
+    return named
+
+
+def test_reading_a_model_never_runs_the_workload_code_it_names(run, tmp_path, capsys, monkeypatch):
+    """A file is data: one whose metadata names ``helper.py:workload`` had every reader
+    (inspect, generate, export, and --init-from in the CLI, the outer optimizer and every
+    learner) import the helper.py beside it. Now the run's own model gives a warm start its
+    names, inspect reads without building, and building it is refused unless trusted."""
+    from ddiloco.cli import main
+    from ddiloco.modelio.source import load_for_run
+
+    folder, _, cfg = run
+    marker = tmp_path / "RAN"
+    (tmp_path / "helper.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from ddiloco.workloads.bytegpt import workload as _w\n"
+        "def workload(args):\n    return _w(args)\n"
+    )
+    named = _export_naming(folder, tmp_path, "helper.py:workload")
+    monkeypatch.chdir(tmp_path)  # a relative FILE.py resolves against the reader's folder
+    warm = load_for_run(named, cfg)  # --init-from: the run's model names the parameters
+    assert set(warm.params) == set(load(folder).params) and warm.version == 5
+    assert main(["inspect", str(named)]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(named), "--bytes", "3"]) == 2
+    assert "holds a model of the workload 'helper.py:workload'" in capsys.readouterr().err
+    assert main(["export", str(named), "--out", str(tmp_path / "again.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "code that building it would import and run" in err and "--trust-workload" in err
+    assert not marker.exists(), "the code the file names ran"
+    # told to trust it, export builds it (and its code runs: that is what trusting means)
+    code = main(["export", str(named), "--out", str(tmp_path / "again.safetensors"), "--trust-workload"])
+    assert code == 0, capsys.readouterr().err
+    assert marker.exists()

@@ -67,8 +67,10 @@ def test_mlp_regression_trains_through_ddiloco_run_and_its_eval_loss_falls(tmp_p
     from ddiloco.modelio.source import load as load_source
     from ddiloco.workloads.evaluate import evaluate
 
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "mlp.safetensors")]) == 0
-    model = load_source(tmp_path / "mlp.safetensors").to_model()
+    # its model is built by the workload's code, which export runs only when told to
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "mlp.safetensors")]) == 2
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "mlp.safetensors"), "--trust-workload"]) == 0
+    model = load_source(tmp_path / "mlp.safetensors").to_model(trust_workload=True)
     assert isinstance(model, torch.nn.Sequential)
     loss, _ = evaluate(load(config(MLP)), model)
     assert abs(loss - report["final_eval_loss"]) < 1e-6 * max(1.0, loss)

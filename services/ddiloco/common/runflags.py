@@ -158,10 +158,10 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "init_from", None) is not None:
         cfg.init_from = str(args.init_from.resolve())
     if cfg.init_from:
-        from ddiloco.modelio.source import SourceError, check_matches, load
+        from ddiloco.modelio.source import SourceError, load_for_run
 
         try:
-            check_matches(load(pathlib.Path(cfg.init_from)), cfg)
+            load_for_run(pathlib.Path(cfg.init_from), cfg)
         except SourceError as exc:
             if getattr(args, "init_from", None) is None:  # from the run's saved configuration
                 raise SystemExit(

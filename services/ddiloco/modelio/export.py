@@ -25,12 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", type=pathlib.Path, help="a run folder or one checkpoint folder")
     parser.add_argument("--version", type=int, default=None, help="one of the run's kept checkpoint versions (default: the newest)")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="the .safetensors file to write")
+    parser.add_argument(
+        "--trust-workload", action="store_true",
+        help="build the model with the workload the source names when it is not the built-in one "
+        "(that imports and runs its code; without this flag such a source is refused)",
+    )
 
 
-def export(source: pathlib.Path, out: pathlib.Path, version: int | None = None) -> dict:
-    """Write the state dict; returns what was written (version, run id, tensors, bytes)."""
+def export(source: pathlib.Path, out: pathlib.Path, version: int | None = None, trust_workload: bool = False) -> dict:
+    """Write the state dict; returns what was written (version, run id, tensors, bytes).
+    ``trust_workload``: build the model with a workload other than the built-in one that the
+    source names (its code runs)."""
     g = load(source, version)
-    model = g.to_model()
+    model = g.to_model(trust_workload)
     # clone: the tied head shares its storage with the embedding, which safetensors refuses
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     meta = {
@@ -52,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"ddiloco export: error: the folder of --out does not exist: {args.out.parent}", file=sys.stderr)
         return 2
     try:
-        info = export(args.source, args.out, args.version)
+        info = export(args.source, args.out, args.version, args.trust_workload)
     except SourceError as exc:
         print(f"ddiloco export: error: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from ddiloco.common.config import DEFAULT_WORKLOAD
 from ddiloco.common.model import GPT
 from ddiloco.modelio.source import SourceError, load
 
@@ -61,12 +62,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"ddiloco generate: error: {errors[0]}", file=sys.stderr)
         return 2
     try:
-        model = load(args.source, args.version).to_model()
+        source = load(args.source, args.version)
+        # sampling bytes is what the built-in workload's model does; another's is not built
+        # (its code is not run) to find out that it cannot
+        model = source.to_model() if source.workload == DEFAULT_WORKLOAD else None
     except SourceError as exc:
         print(f"ddiloco generate: error: {exc}", file=sys.stderr)
         return 2
-    if not isinstance(model, GPT):  # sampling bytes is what the built-in workload's model does
-        print(f"ddiloco generate: error: {args.source} holds a {type(model).__name__} of another workload; "
+    if not isinstance(model, GPT):
+        print(f"ddiloco generate: error: {args.source} holds a model of the workload {source.workload!r}; "
               "generate samples the built-in byte-level GPT only", file=sys.stderr)
         return 2
     text = sample(model, args.prompt.encode(), args.bytes, args.temperature, args.top_k, args.seed)

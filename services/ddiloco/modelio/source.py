@@ -8,6 +8,14 @@ checkpoint holds its final version).
 
 The model a source holds is the run's workload's (``ddiloco.workloads``): its parameters
 are whatever that workload's ``model()`` lists, under the same names.
+
+A workload is code (``MODULE:FUNCTION`` or ``FILE.py:FUNCTION``), and a source names its
+own (an export's metadata, a run folder's ``config.json``). Reading a source never runs the
+code it names: a warm start takes the parameter names from the run's own model (the
+workload the user gave the run), and building the model a source names (``to_model``) is
+done for the built-in workload, or for another only when the caller trusts it
+(``ddiloco export --trust-workload``). A file that names ``helper.py:workload`` would
+otherwise have every reader import the ``helper.py`` beside it: code from received bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ddiloco.common.config import ModelConfig, RunConfig
+from ddiloco.common.config import DEFAULT_WORKLOAD, ModelConfig, RunConfig
 from ddiloco.outer.checkpoint import LATEST, Incomplete, folder_key, read_folder
 
 PARAM, MOMENTUM = "param/", "momentum/"
@@ -48,27 +56,43 @@ class GlobalModel:
     def model_config(self) -> ModelConfig:
         return self.run_config.model
 
-    def to_model(self) -> torch.nn.Module:
-        """A fresh model of the run's workload holding these parameters."""
-        model = _build(self.run_config, self.origin)
+    @property
+    def workload(self) -> str:
+        return self.run_config.workload.name
+
+    def to_model(self, trust_workload: bool = False) -> torch.nn.Module:
+        """A fresh model of the run's workload holding these parameters. A workload other than
+        the built-in one is code the source names: built only if ``trust_workload``
+        (``SourceError`` otherwise, nothing imported)."""
+        model = _build(self.run_config, self.origin, trust_workload)
         named = dict(model.named_parameters())
-        if set(named) != set(self.params):
+        # an export of a workload whose code was not run at reading holds the whole state
+        # dict: a tied tensor under each of its names
+        params = {k: v for k, v in self.params.items() if k in named or k not in model.state_dict()}
+        if set(named) != set(params):
             raise SourceError(
                 f"{self.origin}: parameters do not match the model configuration: "
-                f"missing {sorted(set(named) - set(self.params))}, unexpected {sorted(set(self.params) - set(named))}"
+                f"missing {sorted(set(named) - set(params))}, unexpected {sorted(set(params) - set(named))}"
             )
         with torch.no_grad():
             for name, p in named.items():
-                t = self.params[name]
+                t = params[name]
                 if tuple(t.shape) != tuple(p.shape):
                     raise SourceError(f"{self.origin}: {name} has shape {tuple(t.shape)}, the model {tuple(p.shape)}")
                 p.copy_(t)
         return model
 
 
-def _build(cfg: RunConfig, origin: str) -> torch.nn.Module:
+def _build(cfg: RunConfig, origin: str, trusted: bool) -> torch.nn.Module:
+    """The model of ``cfg``'s workload. ``trusted``: the workload is the caller's (the run's
+    own configuration), or the caller accepts running the one a source names."""
     from ddiloco.workloads import WorkloadError, load
 
+    if not trusted and cfg.workload.name != DEFAULT_WORKLOAD:
+        raise SourceError(
+            f"{origin}: its model is built by the workload {cfg.workload.name!r}, code that building it would "
+            "import and run; ddiloco runs the workload a model names only when told to trust it (--trust-workload)"
+        )
     try:
         return load(cfg).build_model()
     except WorkloadError as exc:
@@ -79,7 +103,7 @@ def check_matches(g: GlobalModel, cfg: RunConfig, built: torch.nn.Module | None 
     """Raise ``SourceError`` unless ``g`` holds exactly the parameters, with the same
     shapes, that the run's workload builds (a warm start must fit the run's model).
     ``built``: that model, if the caller has built it already (it is not built again)."""
-    model = built if built is not None else _build(cfg, "the run's workload")
+    model = built if built is not None else _build(cfg, "the run's workload", trusted=True)
     want = {n: tuple(p.shape) for n, p in model.named_parameters()}
     have = {n: tuple(t.shape) for n, t in g.params.items()}
     if want != have:
@@ -88,25 +112,37 @@ def check_matches(g: GlobalModel, cfg: RunConfig, built: torch.nn.Module | None 
         raise SourceError(f"{g.origin} does not fit the run's model ({len(diff)} tensors differ; {shown})")
 
 
+def load_for_run(path: pathlib.Path, cfg: RunConfig, built: torch.nn.Module | None = None) -> GlobalModel:
+    """The model at ``path`` as a warm start of the run ``cfg`` (``--init-from``): read with
+    the parameter names of the run's own model (``built``, or built here from the run's
+    workload), never with the code the source names; ``SourceError`` unless it fits."""
+    model = built if built is not None else _build(cfg, "the run's workload", trusted=True)
+    source = load(path, names={n for n, _ in model.named_parameters()})
+    check_matches(source, cfg, model)
+    return source
+
+
 def load_into(model: torch.nn.Module, path: pathlib.Path, cfg: RunConfig) -> GlobalModel:
     """``model``, the run's model as built, set to the parameters at ``path`` (a warm start:
     ``--init-from``); returns what was read. ``SourceError`` where they do not fit it."""
-    source = load(path)
-    check_matches(source, cfg, model)
+    source = load_for_run(path, cfg, model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(source.params[name].float())
     return source
 
 
-def load(path: pathlib.Path, version: int | None = None) -> GlobalModel:
+def load(path: pathlib.Path, version: int | None = None, names: set[str] | None = None) -> GlobalModel:
     """The global model at ``path``: a run folder, a checkpoint folder or an exported
-    ``.safetensors`` file. ``version`` picks one of a run's kept checkpoints."""
+    ``.safetensors`` file. ``version`` picks one of a run's kept checkpoints. ``names``: the
+    parameter names of the model it is for (an export holds a state dict, where a tied
+    tensor appears under each of its names); None: the built-in model's, or every tensor of
+    an export whose workload is another (its code is not run to find out)."""
     path = pathlib.Path(path)
     if path.is_file():
         if version is not None:
             raise SourceError(f"{path}: --version applies to a run folder, not to an exported file")
-        return _load_export(path)
+        return _load_export(path, names)
     if (path / "global.safetensors").exists() or (path / "state.json").exists():
         return _load_checkpoint(path, _run_config(path.parent.parent.parent, path))
     if (path / "outer-0" / "checkpoints").is_dir():
@@ -184,7 +220,7 @@ def _load_checkpoint(folder: pathlib.Path, cfg: RunConfig) -> GlobalModel:
     return GlobalModel(cfg, params, momentum, state, int(state["version"]), str(state.get("run_id", "")), str(folder))
 
 
-def _load_export(path: pathlib.Path) -> GlobalModel:
+def _load_export(path: pathlib.Path, names: set[str] | None) -> GlobalModel:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -205,6 +241,7 @@ def _load_export(path: pathlib.Path) -> GlobalModel:
         raise SourceError(f"{path}: no {META_CONFIG} metadata (not written by `ddiloco export`)")
     # an export holds the state dict: tied tensors appear under every name; keep the
     # parameter names (as named_parameters lists them)
-    names = {n for n, _ in _build(cfg, str(path)).named_parameters()}
-    params = {k: v for k, v in tensors.items() if k in names}
+    if names is None and cfg.workload.name == DEFAULT_WORKLOAD:
+        names = {n for n, _ in _build(cfg, str(path), trusted=True).named_parameters()}
+    params = {k: v for k, v in tensors.items() if names is None or k in names}
     return GlobalModel(cfg, params, {}, {}, int(meta.get(META_VERSION, -1)), meta.get(META_RUN, ""), str(path))

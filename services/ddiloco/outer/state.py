@@ -167,10 +167,9 @@ class OuterState:
         a run with checkpoints of its own restores them over this, and merges journaled
         before its first checkpoint replay on top of it, as on the seed's initialisation.
         ``model``: the run's model as built here, to check the source against."""
-        from ddiloco.modelio.source import check_matches, load
+        from ddiloco.modelio.source import load_for_run
 
-        source = load(path)
-        check_matches(source, self.config, model)  # also checked by the CLI before anything starts
+        source = load_for_run(path, self.config, model)  # also checked by the CLI before anything starts
         self.params = [
             source.params[n].detach().clone().float() if p is not None else None for n, p in zip(self.names, self.params)
         ]
