@@ -152,6 +152,8 @@ def test_another_models_state_is_ignored(saved, caplog):
 @pytest.mark.parametrize("change, reason", [
     (lambda t: t["0.exp_avg"].__setitem__((0, 0), float("nan")), "w's exp_avg holds NaN or Inf"),
     (lambda t: t["1.exp_avg_sq"].__setitem__(2, -1.0), "b's exp_avg_sq holds negative values"),
+    # finite, but no gradients make it: AdamW's first step would throw w to about 1e19
+    (lambda t: t["0.exp_avg"].__setitem__((1, 1), 1e20), "w's exp_avg reaches"),
     (lambda t: t.pop("1.exp_avg"), "it holds 3 tensors, not the 4 of this model's moments"),
     (lambda t: t.__setitem__("0.exp_avg", t["0.exp_avg"].double()), "w's exp_avg is torch.float64"),
 ])
@@ -225,3 +227,26 @@ def test_a_disk_that_refuses_a_write_is_reported_and_the_next_snapshot_tries_aga
     keeper.offer(inner_state.snapshot(RUN, 1, names, params, opt, schedule_step=1))
     keeper.loop()
     assert keeper.written == 1 and keeper.path.exists()
+
+
+def test_the_first_moment_bound_is_the_closed_form_and_no_gradients_break_it():
+    """|exp_avg| <= C sqrt(exp_avg_sq), C = (1-b1) / sqrt((1-b2)(1-b1^2/b2)): 1.1650 at
+    betas (0.9, 0.95), 7.27 at (0.9, 0.999); no bound where b1^2 >= b2. Gradients built to
+    approach it (g_k proportional to (b1/b2)^(t-k): the Cauchy-Schwarz equality case) stay
+    under it; torch's own AdamW moments are checked."""
+    assert inner_state.first_moment_bound((0.9, 0.95)) == pytest.approx(0.1 / (0.05 * (1 - 0.81 / 0.95)) ** 0.5)
+    assert inner_state.first_moment_bound((0.9, 0.95)) == pytest.approx(1.1650, abs=1e-4)
+    assert inner_state.first_moment_bound((0.9, 0.999)) == pytest.approx(7.2703, abs=1e-4)
+    assert inner_state.first_moment_bound((0.99, 0.9)) is None
+    bound = inner_state.first_moment_bound((0.9, 0.95))
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = _adamw([p])
+    t = 200
+    for k in range(t):
+        opt.zero_grad()
+        p.grad = torch.tensor([1.0, -3e-20, 5.0]) * (0.9 / 0.95) ** (t - k)
+        opt.step()
+    st = opt.state[p]
+    ratio = st["exp_avg"].abs() / st["exp_avg_sq"].sqrt()
+    assert float(ratio[0]) == pytest.approx(bound, rel=1e-3)  # the equality case, reached
+    assert bool((ratio <= bound * (1 + 1e-3)).all())

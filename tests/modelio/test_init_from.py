@@ -101,6 +101,29 @@ def test_a_model_of_another_shape_is_refused_before_anything_starts(run):  # noq
     assert cfg.init_from == str(folder.resolve()) and cfg.model == MODEL_PRESETS["tiny"]
 
 
+@pytest.mark.parametrize("bad, message", [
+    (lambda t: t.__setitem__((0, 0), float("nan")), "wte.weight holds NaN or Inf"),
+    (lambda t: t.__setitem__((0, 0), float("inf")), "wte.weight holds NaN or Inf"),
+])
+def test_a_model_holding_nan_or_inf_is_refused_before_anything_starts(run, tmp_path, bad, message):  # noqa: F811
+    """Started from it, every learner trained NaN and failed late, naming the workload's loss."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    folder, _, _ = run
+    out = tmp_path / "model.safetensors"
+    export_cmd.export(folder, out)
+    tensors = load_file(str(out))
+    bad(tensors["wte.weight"])
+    tensors["head.weight"] = tensors["wte.weight"]  # tied: the same values under both names
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    poisoned = tmp_path / "poisoned.safetensors"
+    save_file({k: v.clone() for k, v in tensors.items()}, str(poisoned), metadata=meta)
+    with pytest.raises(SystemExit, match=message):
+        run_config_from_args(_parse("--model", "tiny", "--init-from", str(poisoned)))
+
+
 def test_ddiloco_run_with_a_missing_source_is_one_error_line_and_creates_nothing(tmp_path, capsys):
     from ddiloco.cli import main
 

@@ -189,6 +189,38 @@ def test_restore_refuses_to_go_back_in_versions(tmp_path):
         OuterState(cfg, tmp_path)
 
 
+@pytest.mark.parametrize("named", ["../../elsewhere/checkpoints/v00000005-g000001", "/tmp/v00000005", "v5/../v00000001"])
+def test_a_latest_that_names_a_path_is_refused_not_followed(tmp_path, named):
+    """LATEST names one of this folder's checkpoints by its bare name. Followed, a path took
+    a restore (and an export) to a checkpoint anywhere, trusted as this run's: a run went
+    back from its version to another folder's version 0, silently."""
+    from ddiloco.modelio.source import SourceError
+
+    cfg = tiny_config()
+    state = OuterState(cfg, tmp_path)
+    history(state)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    (tmp_path / "checkpoints" / "LATEST").write_text(named)
+    with pytest.raises(CheckpointError, match="LATEST: names .* which is not a checkpoint folder of"):
+        OuterState(cfg, tmp_path)
+    with pytest.raises(SourceError, match="LATEST: names"):
+        load_run_checkpoints(tmp_path, cfg)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def load_run_checkpoints(outer_dir, cfg):
+    """``modelio.source.load`` of a run folder whose outer optimizer wrote to ``outer_dir``."""
+    from ddiloco.modelio.source import load
+
+    run = outer_dir.parent / "run"
+    run.mkdir(exist_ok=True)
+    (run / "config.json").write_text(cfg.to_json())
+    link = run / "outer"
+    if not link.exists():
+        link.symlink_to(outer_dir)
+    return load(run)
+
+
 def test_no_complete_checkpoint_at_all_refuses_to_start(tmp_path):
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)

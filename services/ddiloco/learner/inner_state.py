@@ -199,10 +199,28 @@ def _int(meta: dict[str, str], key: str, low: int, high: int) -> int:
     return value
 
 
+def first_moment_bound(betas: tuple[float, float]) -> float | None:
+    """C such that every |exp_avg| <= C sqrt(exp_avg_sq), whatever the gradients: with
+    m = (1-b1) sum b1^k g_k and v = (1-b2) sum b2^k g_k^2, Cauchy-Schwarz on
+    b1^k g_k = (b1^k / b2^(k/2)) (b2^(k/2) g_k) gives |m| <= (1-b1) sqrt(S v / (1-b2)), with
+    S = sum (b1^2/b2)^k = 1 / (1 - b1^2/b2). It bounds AdamW's step m / sqrt(v) (1.165 at
+    betas (0.9, 0.95)); None where b1^2 >= b2 (no bound)."""
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1 and b1 * b1 < b2):
+        return None
+    return (1 - b1) / ((1 - b2) * (1 - b1 * b1 / b2)) ** 0.5
+
+
+# float32 rounding of both moments, and a gradient so small its square underflows to 0 in v
+# (|g| < 4e-23) while m keeps it: far below any step AdamW could take (eps is 1e-8)
+_BOUND_RTOL, _BOUND_ATOL = 1e-3, 1e-12
+
+
 def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, learner_id: int,
-          names: list[str], params: list[torch.Tensor]) -> Restored:
+          names: list[str], params: list[torch.Tensor], betas: tuple[float, float] = (0.9, 0.999)) -> Restored:
     """Whether the file's contents are this learner's state in this run, for this model, and
-    a state AdamW can hold. Raises ``StaleState`` saying why not."""
+    a state AdamW of ``betas`` can hold (``first_moment_bound``). Raises ``StaleState``
+    saying why not."""
     if meta.get("format") != str(FORMAT):
         raise StaleState(f"format {meta.get('format')!r}, this version writes {FORMAT}")
     if meta.get("run_id") != run_id:
@@ -236,6 +254,18 @@ def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, l
                 raise StaleState(f"{names[i]}'s {k} holds NaN or Inf")
         if bool((tensors[f"{i}.exp_avg_sq"] < 0).any()):
             raise StaleState(f"{names[i]}'s exp_avg_sq holds negative values")
+    bound = first_moment_bound(betas)
+    for i in held if bound is not None else ():
+        # finite moments that break the bound (exp_avg 1e20) are none AdamW can reach: its
+        # first step would throw the parameters to 1e19 and fail the learner, at every restart
+        m, v = tensors[f"{i}.exp_avg"].double(), tensors[f"{i}.exp_avg_sq"].double()
+        excess = m.abs() - (bound * v.sqrt() * (1 + _BOUND_RTOL) + _BOUND_ATOL)
+        if bool((excess > 0).any()):
+            ratio = float((m.abs() / v.sqrt().clamp_min(1e-300)).max())
+            raise StaleState(
+                f"{names[i]}'s exp_avg reaches {ratio:.3g} x sqrt(exp_avg_sq), beyond the {bound:.3g} AdamW with "
+                f"betas {tuple(betas)} can reach"
+            )
     return Restored(adam_step, schedule_step, tuple(without))
 
 
@@ -248,7 +278,8 @@ def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], 
         return None
     try:
         meta, tensors = _read(path)
-        restored = check(meta, tensors, run_id, learner_id, names, params)
+        betas = tuple(optimizer.param_groups[0].get("betas", (0.9, 0.999)))
+        restored = check(meta, tensors, run_id, learner_id, names, params, betas)
     except (StaleState, OSError) as exc:
         log.warning("inner state %s not restored, starting afresh: %s", path, exc)
         return None

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ddiloco.common.config import DEFAULT_WORKLOAD, ModelConfig, RunConfig
-from ddiloco.outer.checkpoint import LATEST, Incomplete, folder_key, read_folder
+from ddiloco.outer.checkpoint import CheckpointError, Incomplete, folder_key, latest_name, read_folder
 
 PARAM, MOMENTUM = "param/", "momentum/"
 META_MODEL = "ddiloco.model_config"  # export metadata: the built-in model's ModelConfig as JSON
@@ -110,6 +110,14 @@ def check_matches(g: GlobalModel, cfg: RunConfig, built: torch.nn.Module | None 
         diff = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
         shown = ", ".join(f"{n}: {have.get(n, 'absent')} here, {want.get(n, 'absent')} in the run's model" for n in diff[:3])
         raise SourceError(f"{g.origin} does not fit the run's model ({len(diff)} tensors differ; {shown})")
+    for name in sorted(want):
+        t = g.params[name]
+        # a run started from NaN trains NaN (its learners fail late, naming the workload's
+        # loss, not the file); an integer or boolean tensor is no trained parameter
+        if not t.is_floating_point():
+            raise SourceError(f"{g.origin}: {name} is {t.dtype}, not a floating-point parameter")
+        if not bool(torch.isfinite(t).all()):
+            raise SourceError(f"{g.origin}: {name} holds NaN or Inf")
 
 
 def load_for_run(path: pathlib.Path, cfg: RunConfig, built: torch.nn.Module | None = None) -> GlobalModel:
@@ -169,7 +177,10 @@ def _from_folder(
             kept = sorted({folder_key(p)[0] for p in folders})
             raise SourceError(f"{origin}: no checkpoint of version {version}; the run keeps versions {kept}")
         return _load_checkpoint(chosen[-1], cfg)
-    latest = (checkpoints / LATEST).read_text().strip() if (checkpoints / LATEST).exists() else None
+    try:
+        latest = latest_name(checkpoints)
+    except CheckpointError as exc:
+        raise SourceError(str(exc)) from None
     order = ([checkpoints / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
     problems = []
     for folder in order:

@@ -98,6 +98,23 @@ class Loaded:
     latest_version: int | None = None  # the version LATEST names, complete or not
 
 
+def latest_name(root: pathlib.Path) -> str | None:
+    """The checkpoint folder ``root/LATEST`` names (None: no LATEST). ``CheckpointError``
+    unless it is a checkpoint folder's bare name: LATEST is this folder's own, and a path
+    (``../other-run/v00000005``, ``/tmp/x``) would have a restore or an export read, and
+    trust, a checkpoint from anywhere."""
+    path = pathlib.Path(root) / LATEST
+    if not path.exists():
+        return None
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    if not _FOLDER.match(name):
+        raise CheckpointError(f"{path}: names {name[:100]!r}, which is not a checkpoint folder of {root} (vVERSION-gGENERATION)")
+    return name
+
+
 def folder_key(path: pathlib.Path) -> tuple[int, int] | None:
     """(version, generation) of a checkpoint folder name; None for other names."""
     m = _FOLDER.match(path.name)
@@ -203,12 +220,9 @@ class CheckpointStore:
         """The checkpoint LATEST names if it is complete, else the newest complete one; None
         when there is none at all (a fresh run). Raises ``CheckpointError`` when folders exist
         but none is complete."""
-        latest_file = self.root / LATEST
-        latest_name = latest_file.read_text().strip() if latest_file.exists() else None
+        latest = latest_name(self.root)
         folders = self._folders()
-        candidates = ([self.root / latest_name] if latest_name else []) + [
-            p for p in reversed(folders) if p.name != latest_name
-        ]
+        candidates = ([self.root / latest] if latest else []) + [p for p in reversed(folders) if p.name != latest]
         skipped = []
         for path in candidates:
             try:
@@ -218,7 +232,7 @@ class CheckpointStore:
                 continue
             self._verified[path] = state
             self.latest, self._latest_key = path, state_key(state)
-            key = folder_key(self.root / latest_name) if latest_name else None
+            key = folder_key(self.root / latest) if latest else None
             return Loaded(path, tensors, state, skipped, key[0] if key else None)
         if candidates:
             raise CheckpointError(f"no complete checkpoint in {self.root}: " + "; ".join(skipped))
