@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,6 +77,34 @@ def test_error_feedback_keeps_the_sum_of_what_was_sent_close_to_the_truth():
 
 
 TENSORS = {"embed": (40, 16), "attn.w": (16, 48), "attn.b": (48,), "mlp.w": (16, 64), "mlp.b": (64,), "ln": (16,), "head": (16, 40), "scale": ()}
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "int4", "fp32"])
+@pytest.mark.parametrize("as_torch", [False, True])
+def test_a_withdrawn_upload_leaves_the_residual_as_it_was_before_it(codec_name, as_torch):
+    """A delta the outer optimizer refused as stale is dropped with its windows; its
+    quantization error must not reach the model with the next upload. After ``withdraw`` the
+    residual is the one before that encode (to float32 rounding), so the next upload sends
+    what it would have sent had the refused one never been encoded."""
+    rng = np.random.default_rng(3)
+    rounds = [[("a", rng.normal(size=(3, 50)).astype(np.float32)), ("b", rng.normal(size=70).astype(np.float32))]
+              for _ in range(3)]
+    if as_torch:
+        rounds = [[(n, torch.from_numpy(x)) for n, x in r] for r in rounds]
+    with_refusal, without = codec.ErrorFeedback(), codec.ErrorFeedback()
+    with_refusal.encode(rounds[0], codec_name, 64)
+    without.encode(rounds[0], codec_name, 64)
+    before = {n: np.array(np.asarray(r), copy=True) for n, r in with_refusal.residual.items()}
+    refused = with_refusal.encode(rounds[1], codec_name, 64)
+    with_refusal.withdraw(rounds[1], refused)
+    for n, r in before.items():
+        np.testing.assert_allclose(np.asarray(with_refusal.residual[n]), r, rtol=0, atol=1e-6)
+    sent = dict(codec.decode_encoded(with_refusal.encode(rounds[2], codec_name, 64)))
+    expected = dict(codec.decode_encoded(without.encode(rounds[2], codec_name, 64)))
+    for n in expected:  # a value on a level boundary may round either way: one step at most
+        step = np.abs(expected[n]).max() / (127 if codec_name == "int8" else 7) if codec_name != "fp32" else 1e-6
+        assert np.abs(sent[n] - expected[n]).max() <= step, n
+        assert np.mean(sent[n] == expected[n]) > 0.98, n
 
 
 @pytest.mark.parametrize("codec_name", ["int8", "int4"])

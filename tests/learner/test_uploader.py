@@ -201,6 +201,29 @@ def test_a_stale_delta_is_a_final_answer_recorded_and_the_next_window_goes_on(ou
     assert [(e["seq"], e["code"], e["tokens"]) for e in refused] == [(1, "FAILED_PRECONDITION", 50)]
 
 
+def test_a_stale_deltas_quantization_error_does_not_reach_the_next_upload(outer, rig):  # noqa: F811
+    """Its windows are dropped, so is what error feedback kept of them: the delta after it
+    is what it would have been had the refused one never been encoded (int8, error feedback
+    on). Before, the refused delta's rounding error (up to half a step per value) rode on
+    the next upload into the model."""
+    from ddiloco.common import codec
+    from ddiloco.learner.uploader import Window
+
+    rng = np.random.default_rng(5)
+    first, second = (rng.normal(size=256).astype(np.float32) for _ in range(2))
+    outer.push_script.append(S.FAILED_PRECONDITION)
+    up, sup = rig.uploader(outer, codec="int8", error_feedback=True)
+    for values in (first, second):
+        up.submit(Window([("w0", values)], 0, 50, 5, 1.0, 0.01, 0))
+        assert up.flush(10)
+    assert not sup.failed.is_set()
+    (accepted,) = outer.accepted
+    sent = dict(accepted.arrays)["w0"]
+    alone = dict(codec.decode_encoded(codec.ErrorFeedback().encode([("w0", second)], "int8", 64)))["w0"]
+    assert np.mean(sent == alone) > 0.98  # a value on a rounding boundary may go either way
+    assert np.abs(sent - alone).max() <= np.abs(second).max() / 127
+
+
 def test_an_outer_optimizer_at_a_new_address_ends_a_retry_backoff_at_once(outer, rig):  # noqa: F811
     """After an outer restart the learner learns the new address from its next heartbeat; an
     upload that failed against the old one is retried then, not when its backoff runs out

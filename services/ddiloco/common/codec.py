@@ -552,3 +552,28 @@ class ErrorFeedback:
         for name, buf in kept:
             self.residual[name] = buf
         return enc
+
+    def withdraw(self, arrays: list, enc: Encoded) -> None:
+        """Undo ``encode(arrays)``, whose payload ``enc`` was never applied (the outer
+        optimizer refused it as stale, for good). Each tensor's residual goes back to what
+        it was before: r = sent + r_now - input (sent + r_now is this round's corrected
+        input), so the next upload carries the error of the work that was merged and
+        nothing of the refused work, whose windows are dropped. Kept, the refused delta's
+        quantization error (up to half a step of its blocks) would have reached the model
+        with the next delta. Exact to float32 rounding; the residual is updated in place
+        rather than copied before every encode: one decode on a rare refusal instead of a
+        copy on every upload."""
+        sent = dict(decode_encoded(enc))
+        for name, arr in arrays:
+            if name not in sent:
+                continue
+            now = self.residual.get(name)
+            if isinstance(arr, torch.Tensor):
+                a = arr.detach().to(torch.float32)
+                s = torch.as_tensor(sent[name], device=a.device).reshape(a.shape)
+                prev = s - a if now is None else torch.as_tensor(now, device=a.device) + s - a
+            else:
+                a = np.asarray(arr, dtype=np.float32)
+                s = sent[name].reshape(a.shape)
+                prev = s - a if now is None else np.asarray(now) + s - a
+            self.residual[name] = prev

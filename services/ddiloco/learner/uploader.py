@@ -297,6 +297,8 @@ class Uploader:
                         self._acked(seq, window, enc, duplicate=True)
                     return
                 if code == grpc.StatusCode.FAILED_PRECONDITION:
+                    if self.feedback is not None:
+                        self.feedback.withdraw(window.arrays, enc)  # its windows are dropped: so is their residual
                     self._refused(seq, window, code, details)
                     return
                 if code == grpc.StatusCode.ABORTED:
