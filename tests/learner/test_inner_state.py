@@ -211,6 +211,22 @@ def test_the_keeper_writes_the_newest_snapshot_and_drops_the_ones_it_overtook(tm
     assert inner_state.restore(keeper.path, RUN, 1, names, params, fresh).adam_step == 3
 
 
+def test_a_process_that_lost_its_id_writes_nothing_more_over_its_successors_file(tmp_path):
+    """Superseded (another process took the learner id and restored from this file), the old
+    process drops what waits and ignores later offers: its snapshot written on the way out
+    replaced the successor's before."""
+    names, params = _model()
+    opt = _adamw(params)
+    keeper = inner_state.Keeper(inner_state.path_for(tmp_path, 1), on_unsaved=pytest.fail)
+    _train(params, opt, 1, seed=1)
+    keeper.offer(inner_state.snapshot(RUN, 1, names, params, opt, schedule_step=1))
+    keeper.abandon()
+    keeper.offer(inner_state.snapshot(RUN, 1, names, params, opt, schedule_step=2))
+    keeper.stopping.set()
+    keeper.loop()
+    assert keeper.written == 0 and not keeper.path.exists()
+
+
 def test_a_disk_that_refuses_a_write_is_reported_and_the_next_snapshot_tries_again(tmp_path):
     names, params = _model()
     opt = _adamw(params)

@@ -137,6 +137,7 @@ class Keeper:
         self.path = pathlib.Path(path)
         self.on_unsaved = on_unsaved
         self.written = 0
+        self.abandoned = False  # the file is another process's now: nothing more is written
         self._pending: Snapshot | None = None
         self._cond = threading.Condition()
         self.stopping = threading.Event()
@@ -146,6 +147,8 @@ class Keeper:
         if snap is None:
             return
         with self._cond:
+            if self.abandoned:
+                return
             self._pending = snap
             self._cond.notify()
 
@@ -155,8 +158,8 @@ class Keeper:
                 while self._pending is None and not self.stopping.is_set():
                     self._cond.wait()
                 snap, self._pending = self._pending, None
-            if snap is None:
-                return  # stopping, and nothing left to write
+            if snap is None or self.abandoned:
+                return  # stopping, and nothing left to write (or nothing more of ours to write)
             try:
                 write(self.path, snap)
                 self.written += 1
@@ -164,6 +167,17 @@ class Keeper:
                 log.warning("inner state not saved (training goes on; a restart would start its optimizer afresh): %s",
                             exc)
                 self.on_unsaved(exc)
+
+    def abandon(self) -> None:
+        """This process lost its learner id to a successor, which restored from this file and
+        now keeps it: drop what waits and write nothing more (a write already under way ends
+        as one atomic replace, which the successor's next snapshot replaces in turn). Else
+        the old process's last snapshot, written as it stops, replaced its successor's, and
+        a successor restarted after that took back moments of work that was never merged."""
+        with self._cond:
+            self.abandoned = True
+            self._pending = None
+            self._cond.notify()
 
     def start(self, supervisor) -> None:
         self.thread = supervisor.spawn("inner-state", self.loop, self.stopping)

@@ -755,6 +755,9 @@ class Learner:
         uploader = getattr(self, "uploader", None)
         if uploader is not None:
             uploader.stop()  # before the failure's drain, whose flush would send the queue
+        keeper = getattr(self, "keeper", None)
+        if keeper is not None:
+            keeper.abandon()  # the state file is the successor's too
         self.metrics.event("learner_superseded", learner=self.learner_id, reason=details, by=where)
         self.supervisor.fail(where, f"superseded: {details}")
 
