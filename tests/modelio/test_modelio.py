@@ -240,3 +240,30 @@ def test_reading_a_model_never_runs_the_workload_code_it_names(run, tmp_path, ca
     code = main(["export", str(named), "--out", str(tmp_path / "again.safetensors"), "--trust-workload"])
     assert code == 0, capsys.readouterr().err
     assert marker.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    # 550 kB of values declaring a model of 825 billion parameters: refused before it is built
+    ({"n_layer": 1024, "d_model": 8192, "n_head": 8}, "declares a model of 824,745,410,560 parameters, but it holds 136,960 values"),
+    ({"n_head": 0}, "is not a run configuration ddiloco can build: model.n_head must be"),
+    ({"d_model": -64}, "is not a run configuration ddiloco can build: model.d_model must be"),
+])
+def test_an_export_whose_metadata_declares_an_impossible_model_is_one_precise_error(run, tmp_path, capsys, change, message):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder, _, _ = run
+    out = tmp_path / "model.safetensors"
+    export_cmd.export(folder, out)
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    cfg = json.loads(meta["ddiloco.run_config"])
+    cfg["model"].update(change)
+    meta["ddiloco.run_config"] = json.dumps(cfg)
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(out)), str(bad), metadata=meta)
+    assert inspect_cmd.main(argparse.Namespace(source=bad, version=None, json=False)) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err

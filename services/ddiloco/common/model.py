@@ -98,6 +98,16 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
         torch.random.set_rng_state(gen_state)
 
 
+def gpt_parameter_count(cfg: ModelConfig) -> int:
+    """The parameters ``GPT(cfg)`` holds, without building it (the head is tied to the token
+    embedding): the byte and position embeddings, per block two LayerNorms (4d), qkv
+    (3d^2 + 3d), the projection (d^2 + d) and the MLP (4d^2 + 4d and 4d^2 + d), and the final
+    LayerNorm (2d). A reader checks a file's declared configuration against the values it
+    holds with this before it builds anything that large."""
+    d = cfg.d_model
+    return VOCAB * d + cfg.context * d + cfg.n_layer * (12 * d * d + 13 * d) + 2 * d
+
+
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

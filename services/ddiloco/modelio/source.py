@@ -216,9 +216,21 @@ def _run_config(run: pathlib.Path, origin: pathlib.Path) -> RunConfig:
     if not cfg_path.exists():
         raise SourceError(f"{origin}: no config.json in the run folder {run} (the model configuration comes from it)")
     try:
-        return RunConfig.from_json(cfg_path.read_text())
+        cfg = RunConfig.from_json(cfg_path.read_text())
     except (ValueError, TypeError) as exc:
         raise SourceError(f"{cfg_path}: not a run configuration: {exc}") from exc
+    _check_config(cfg, str(cfg_path))
+    return cfg
+
+
+def _check_config(cfg: RunConfig, where: str) -> None:
+    """A configuration read from a source is held to the rules the CLI holds one to (a model
+    of n_head 0 was a ZeroDivisionError traceback in the reader)."""
+    from ddiloco.common.config_rules import problems
+
+    found = problems(cfg)
+    if found:
+        raise SourceError(f"{where} is not a run configuration ddiloco can build: {found[0]}")
 
 
 def _load_checkpoint(folder: pathlib.Path, cfg: RunConfig) -> GlobalModel:
@@ -250,9 +262,20 @@ def _load_export(path: pathlib.Path, names: set[str] | None) -> GlobalModel:
             raise SourceError(f"{path}: bad {META_MODEL} metadata: {exc}") from exc
     else:
         raise SourceError(f"{path}: no {META_CONFIG} metadata (not written by `ddiloco export`)")
+    _check_config(cfg, f"{path}: its metadata")
     # an export holds the state dict: tied tensors appear under every name; keep the
     # parameter names (as named_parameters lists them)
     if names is None and cfg.workload.name == DEFAULT_WORKLOAD:
+        from ddiloco.common.model import gpt_parameter_count
+
+        # the model is built from the file's declared configuration: not one larger than the
+        # values the file holds (a 550 kB file declaring 1,024 layers of width 8,192 had a
+        # model of 825 billion parameters built before anything was compared)
+        declared, held = gpt_parameter_count(cfg.model), sum(t.numel() for t in tensors.values())
+        if declared > held:
+            raise SourceError(
+                f"{path}: its metadata declares a model of {declared:,} parameters, but it holds {held:,} values"
+            )
         names = {n for n, _ in _build(cfg, str(path), trusted=True).named_parameters()}
     params = {k: v for k, v in tensors.items() if names is None or k in names}
     return GlobalModel(cfg, params, {}, {}, int(meta.get(META_VERSION, -1)), meta.get(META_RUN, ""), str(path))
