@@ -105,6 +105,14 @@ def test_a_learner_the_run_does_not_have_is_refused_up_front(capsys, tmp_path, n
     assert err == f"ddiloco chaos: error: a fault targets {target}, but the run's learners are 0 to 1 (--learners)\n"
 
 
+@pytest.mark.parametrize("target", ["dc2", "dc10", "paris"])
+def test_a_datacenter_the_run_does_not_have_is_refused_up_front(capsys, tmp_path, nothing_starts, target):
+    rc, err = chaos(capsys, tmp_path, "--learners", "2", "--topology", "netns", "--fault", f"partition:{target}@5+1s")
+    assert rc == 2
+    assert err == (f"ddiloco chaos: error: a fault partitions {target}, but the run's datacenters are dc0 to dc1 "
+                   "(one per learner, --learners)\n")
+
+
 def test_the_learners_the_run_has_are_taken(monkeypatch, capsys, tmp_path):
     seen = {}
 

@@ -176,6 +176,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"ddiloco chaos: error: a fault targets {missing}, but the run's learners are 0 to {learners - 1} "
               f"(--learners)", file=sys.stderr)
         return 2
+    # learner i runs in datacenter dc<i> (launcher/processes.py): another name was found only
+    # when the fault came, as a partition of nothing
+    named = sorted({f.target for f in schedule.faults if f.kind == "partition" and not f.target.startswith("learner")})
+    unknown_dc = [d for d in named if d not in {f"dc{i}" for i in range(learners)}]
+    if unknown_dc:
+        print(f"ddiloco chaos: error: a fault partitions {unknown_dc[0]}, but the run's datacenters are dc0 to "
+              f"dc{learners - 1} (one per learner, --learners)", file=sys.stderr)
+        return 2
     print(f"chaos schedule: {schedule.describe()}", file=sys.stderr)
     options = LaunchOptions(out=out, run_flags=forward_run_flags(args), learners=learners, outer_shards=cfg.outer_shards,
                             device=args.device,
