@@ -267,3 +267,20 @@ def test_an_export_whose_metadata_declares_an_impossible_model_is_one_precise_er
     assert inspect_cmd.main(argparse.Namespace(source=bad, version=None, json=False)) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_with_a_warning_naming_it(run, tmp_path, capsys):
+    """export and inspect read the newest complete checkpoint; when that is not the one
+    LATEST names, they say which they passed over and why (they fell back silently)."""
+    folder, _, _ = run
+    root = folder / "outer" / "checkpoints"
+    newest = root / (root / "LATEST").read_text().strip()
+    (newest / "global.safetensors").write_bytes(b"damaged")
+    assert export_cmd.main(argparse.Namespace(source=folder, version=None, out=tmp_path / "m.safetensors",
+                                              trust_workload=False)) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("ddiloco export: warning: passed over a newer checkpoint that is not usable: ")
+    assert newest.name in err
+    assert load(tmp_path / "m.safetensors").version == 4
+    assert inspect_cmd.main(argparse.Namespace(source=folder, version=None, json=False)) == 0
+    assert f"ddiloco inspect: warning: passed over a newer checkpoint that is not usable: checkpoint {newest}" in capsys.readouterr().err

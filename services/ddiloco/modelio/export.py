@@ -48,7 +48,8 @@ def export(source: pathlib.Path, out: pathlib.Path, version: int | None = None, 
     }
     blob = save(tensors, metadata=meta)
     write_bytes(out, blob)  # atomic: a crash leaves the old file or the new one, never half
-    return {"version": g.version, "run_id": g.run_id, "tensors": len(tensors), "bytes": len(blob), "from": g.origin}
+    return {"version": g.version, "run_id": g.run_id, "tensors": len(tensors), "bytes": len(blob), "from": g.origin,
+            "skipped": g.skipped}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,6 +67,8 @@ def main(args: argparse.Namespace) -> int:
     except StorageError as exc:
         print(f"ddiloco export: error: cannot write {args.out}: {exc}", file=sys.stderr)
         return 1
+    for reason in info["skipped"]:  # an older version than the run's newest: say so, and why
+        print(f"ddiloco export: warning: passed over a newer checkpoint that is not usable: {reason}", file=sys.stderr)
     print(f"wrote {args.out} ({info['bytes']:,} bytes, {info['tensors']} tensors): version {info['version']} "
           f"of run {info['run_id'] or '?'} from {info['from']}")
     return 0

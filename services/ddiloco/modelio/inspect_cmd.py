@@ -117,9 +117,12 @@ def _learner(k: str, v: dict) -> str:
 def main(args: argparse.Namespace) -> int:
     members, members_error = run_members(args.source) if args.source.is_dir() else (None, None)
     try:
-        s = summary(load(args.source, args.version), members, members_error)
+        g = load(args.source, args.version)
+        s = summary(g, members, members_error)
     except SourceError as exc:
         print(f"ddiloco inspect: error: {exc}", file=sys.stderr)
         return 2
+    for reason in g.skipped:  # an older version than the run's newest: say so, and why
+        print(f"ddiloco inspect: warning: passed over a newer checkpoint that is not usable: {reason}", file=sys.stderr)
     print(json.dumps(s, indent=2) if args.json else _text(s))
     return 0

@@ -51,6 +51,8 @@ class GlobalModel:
     version: int = -1
     run_id: str = ""
     origin: str = ""  # what was read, for messages
+    # newer checkpoints passed over as not usable (why): what was read is an older version
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -185,9 +187,12 @@ def _from_folder(
     problems = []
     for folder in order:
         try:
-            return _load_checkpoint(folder, cfg)
+            found = _load_checkpoint(folder, cfg)
         except SourceError as exc:
             problems.append(str(exc))
+            continue
+        found.skipped = problems
+        return found
     raise SourceError(f"{origin}: no complete checkpoint: " + "; ".join(problems))
 
 
@@ -208,7 +213,8 @@ def _load_sharded(path: pathlib.Path) -> GlobalModel:
         momentum.update(part.momentum)
     version = sum(p.version for p in parts)
     state = {"version": version, "run_id": parts[0].run_id, "shards": [p.state for p in parts]}
-    return GlobalModel(cfg, params, momentum, state, version, parts[0].run_id, ", ".join(p.origin for p in parts))
+    return GlobalModel(cfg, params, momentum, state, version, parts[0].run_id, ", ".join(p.origin for p in parts),
+                       skipped=[s for p in parts for s in p.skipped])
 
 
 def _run_config(run: pathlib.Path, origin: pathlib.Path) -> RunConfig:
