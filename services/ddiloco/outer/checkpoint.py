@@ -31,8 +31,10 @@ only records the previous checkpoint already covers are deleted. Restore never s
 goes back in versions: the caller compares with the version ``LATEST`` names.
 
 Complete means: both files present, ``state.json`` parses and matches its own SHA-256
-(``durable.seal``), its version matches the folder name, the tensors file has the SHA-256
-``state.json`` records and parses.
+(``durable.seal``), has the fields restore reads with their types and ranges
+(``check_state``), its version matches the folder name, the tensors file has the SHA-256
+``state.json`` records and parses. The seal is a plain SHA-256: it catches damage, not a
+crafted or version-skewed file, which is why the fields are checked as well.
 
 Re-checkpointing unchanged state (same version, same learners and pending deltas, which is
 all that distinguishes two checkpoints) is a no-op: nothing is written or deleted.
@@ -145,6 +147,129 @@ def _write_file(path: pathlib.Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+# ------------------------------------------------------------------ state.json's fields
+# Every integer restore reads (versions, sequences, counters, token counts, learner ids and
+# fragment indices) is a JSON integer in [0, MAX_INT]: they go out in int64 protobuf fields
+# (a version of 2**70 was restored, then every reply to a learner's push failed), and they
+# only grow by small steps, so 2**62 leaves room for the run to go on.
+MAX_INT = 2**62
+_DECIMAL = re.compile(r"[0-9]{1,19}")  # the keys of int-keyed maps: what str(int) wrote
+# the fields of a learner's record (records.LearnerRecord, which takes exactly these):
+# counters, and per-fragment token maps
+LEARNER_INTS = ("last_seq_accepted", "last_seq_applied", "accepted", "merged", "refused", "last_seq_refused_stale")
+LEARNER_MAPS = ("tokens_merged", "tokens_accepted", "tokens_refused_stale")
+LEARNER_REQUIRED = ("last_seq_accepted",)  # prune_covered indexes it; the others default to 0 / {}
+FRAGMENT_INTS = ("version", "tokens_merged")
+FRAGMENT_MAPS = ("tokens_at_version", "merged_by_learner")  # plus own_at_version, a map of maps
+
+
+class BadState(ValueError):
+    """A field of ``state.json`` that restore cannot use: the message says which and why."""
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _int(value: object, where: str) -> int:
+    # ``type is int``: a bool is an int to Python, and 47.0 compares equal to 47 (a float
+    # version passed the folder-name check and was restored as 47.0)
+    if type(value) is not int:
+        raise BadState(f"{where} is {_show(value)}, not an integer")
+    if not 0 <= value <= MAX_INT:
+        raise BadState(f"{where} is {value}, outside [0, 2**62]")
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise BadState(f"{where} is {_show(value)}, not a string")
+    return value
+
+
+def _obj(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise BadState(f"{where} is {_show(value)}, not an object")
+    return value
+
+
+def _list(value: object, where: str) -> list:
+    if not isinstance(value, list):
+        raise BadState(f"{where} is {_show(value)}, not a list")
+    return value
+
+
+def _field(obj: dict, key: str, where: str) -> object:
+    """``obj[key]``; ``where``: the path of ``obj`` in the file ("" for the file itself)."""
+    if key not in obj:
+        raise BadState(f"{where} has no {key}" if where else f"no {key}")
+    return obj[key]
+
+
+def _int_map(value: object, where: str, check_value: Callable[[object, str], object] = _int) -> dict:
+    """An object whose keys are str(int) (JSON keys are strings) and whose values pass
+    ``check_value``: what ``{int(k): v ...}`` in records.py reads back."""
+    for k, v in _obj(value, where).items():
+        if not (_DECIMAL.fullmatch(k) and int(k) <= MAX_INT):
+            raise BadState(f"{where} has key {k[:40]!r}, not an integer in [0, 2**62]")
+        check_value(v, f"{where}[{k!r}]")
+    return value
+
+
+def _fragment(value: object, where: str) -> None:
+    fs = _obj(value, where)
+    if "index" in fs:  # optional: restore takes the fragment's position in the list without it
+        _int(fs["index"], f"{where}.index")
+    for key in FRAGMENT_INTS:
+        _int(_field(fs, key, where), f"{where}.{key}")
+    for key in FRAGMENT_MAPS:
+        _int_map(_field(fs, key, where), f"{where}.{key}")
+    _int_map(_field(fs, "own_at_version", where), f"{where}.own_at_version", _int_map)
+    if "tensors" in fs:  # names, read by inspect
+        for i, name in enumerate(_list(fs["tensors"], f"{where}.tensors")):
+            _str(name, f"{where}.tensors[{i}]")
+
+
+def _learner(value: object, where: str) -> None:
+    rec = _obj(value, where)
+    unknown = sorted(set(rec) - set(LEARNER_INTS) - set(LEARNER_MAPS))
+    if unknown:  # LearnerRecord(**record) would raise TypeError on them
+        raise BadState(f"{where} has unknown fields {[k[:40] for k in unknown[:3]]}")
+    for key in LEARNER_REQUIRED:
+        _field(rec, key, where)
+    for key in LEARNER_INTS:
+        if key in rec:
+            _int(rec[key], f"{where}.{key}")
+    for key in LEARNER_MAPS:
+        if key in rec:
+            _int_map(rec[key], f"{where}.{key}")
+
+
+def check_state(state: object) -> dict:
+    """``state`` (a parsed ``state.json``) if it has every field restore (recovery.py,
+    ``prune_covered``) and inspect read, of the type and range they need; else ``BadState``
+    naming the field and what is wrong with it. The one place these rules live: a field
+    that restore reads is checked here, so a bad one makes the folder ``Incomplete`` (and
+    restore falls back to the previous complete checkpoint) rather than a traceback."""
+    st = _obj(state, "it")
+    _int(_field(st, "version", ""), "version")
+    _str(_field(st, "run_id", ""), "run_id")
+    _int(_field(st, "outer_steps", ""), "outer_steps")
+    for i, fs in enumerate(_list(_field(st, "fragments", ""), "fragments")):
+        _fragment(fs, f"fragments[{i}]")
+    _int_map(_field(st, "learners", ""), "learners", _learner)
+    if "pending" in st:  # absent in checkpoints from before pending deltas were recorded
+        for i, pair in enumerate(_list(st["pending"], "pending")):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise BadState(f"pending[{i}] is {_show(pair)}, not a [learner, sequence] pair")
+            _int(pair[0], f"pending[{i}][0]")
+            _int(pair[1], f"pending[{i}][1]")
+    if "tensors_sha256" in st:  # optional: read_folder compares it only where present
+        _str(st["tensors_sha256"], "tensors_sha256")
+    return st
+
+
 def read_folder(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors and state of one checkpoint folder, verified (``Incomplete`` if not).
     Reads only: also for tools that inspect or export a run while it runs."""
@@ -157,10 +282,14 @@ def read_folder(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
         raise Incomplete(f"{path.name}: {pathlib.Path(exc.filename).name} missing") from exc
     except (OSError, ValueError) as exc:
         raise Incomplete(f"{path.name}: {exc}") from exc
-    if not isinstance(state, dict) or "version" not in state:
-        raise Incomplete(f"{path.name}: {STATE} has no version")
+    if not isinstance(state, dict):
+        raise Incomplete(f"{path.name}: {STATE} is {_show(state)}, not an object")
     if seal_holds(state) is False:  # None: a checkpoint from before states were sealed
         raise Incomplete(f"{path.name}: {STATE} does not match its own SHA-256")
+    try:  # after the seal: damage is reported as damage; before the version is compared
+        check_state(state)
+    except BadState as exc:
+        raise Incomplete(f"{path.name}: {STATE}: {exc}") from None
     key = folder_key(path)
     if key is not None and key[0] != state["version"]:
         raise Incomplete(f"{path.name}: {STATE} says version {state['version']}")

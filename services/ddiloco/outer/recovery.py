@@ -9,8 +9,11 @@
 Refuses to start (raises) rather than lose an acknowledged delta or go back in versions:
 ``JournalCorrupt`` for a journal entry the checkpoint does not cover that cannot be read or
 cannot be the delta it was, ``MergeRecordCorrupt`` for a merge record that cannot be
-replayed, ``CheckpointError`` for a checkpoint of another run or shape, or a fallback that
-cannot be brought back to the version ``LATEST`` names.
+replayed, ``CheckpointError`` for a checkpoint of another run, model (names, shapes,
+dtypes: ``check_model``) or shard, or a fallback that cannot be brought back to the version
+``LATEST`` names. A checkpoint whose ``state.json`` lacks a field restore reads, or holds
+one of the wrong type or range, is not complete (``checkpoint.check_state``): restore falls
+back to the previous one, as for a damaged file.
 """
 
 from __future__ import annotations
@@ -77,9 +80,7 @@ def load_checkpoint(state: "OuterState", loaded) -> Callable[[int, int], bool]:
         raise CheckpointError(
             f"checkpoint in {path} holds fragments {saved_ids}, this outer shard owns {[f.index for f in state.fragments]}"
         )
-    missing = [state.names[i] for i in state.owned_ids if f"param/{state.names[i]}" not in tensors]
-    if missing:
-        raise CheckpointError(f"checkpoint in {path} lacks parameters {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    check_model(state, path, tensors)
     state.params = [tensors[f"param/{n}"].clone() if p is not None else None for n, p in zip(state.names, state.params)]
     for frag, fs in zip(state.fragments, saved["fragments"]):
         if f"momentum/{state.names[frag.tensor_ids[0]]}" in tensors:
@@ -102,6 +103,48 @@ def load_checkpoint(state: "OuterState", loaded) -> Callable[[int, int], bool]:
     log.info("restored checkpoint %s (version %d)", path.name, state.version)
     state.metrics.event("restore", version=state.version, path=str(path))
     return covered
+
+
+def check_model(state: "OuterState", path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``CheckpointError`` unless ``tensors`` are exactly this shard's part of the run's
+    model: a ``param/`` tensor for each tensor it owns and none other, each of the run's
+    shape and float32, and for each fragment a ``momentum/`` tensor of the same for all its
+    tensors or for none (none: no merge yet). Called before the state changes. The run id
+    is no guard (every run has "run" unless given one): a checkpoint of another model, or
+    of this run after its config.json was edited, was restored and crashed the first
+    evaluation or merge with a shape error, far from its cause."""
+    owned = [state.names[i] for i in state.owned_ids]
+    missing = [n for n in owned if f"param/{n}" not in tensors]
+    if missing:
+        raise CheckpointError(f"checkpoint in {path} lacks parameters {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    known = {f"{kind}/{n}" for kind in ("param", "momentum") for n in owned}
+    extra = sorted(k for k in tensors if k.startswith(("param/", "momentum/")) and k not in known)
+    if extra:  # e.g. a deeper model's: its first layers would fit, and the rest be dropped
+        raise CheckpointError(
+            f"checkpoint in {path} holds tensors this outer shard's part of the run's model lacks: "
+            f"{extra[:3]}{' ...' if len(extra) > 3 else ''}"
+        )
+    for frag in state.fragments:
+        names = [state.names[i] for i in frag.tensor_ids]
+        held = [n for n in names if f"momentum/{n}" in tensors]
+        if held and len(held) != len(names):
+            lacking = [n for n in names if n not in held]
+            raise CheckpointError(
+                f"checkpoint in {path} holds momentum for part of fragment {frag.index} only: it lacks {lacking[:3]}"
+                f"{' ...' if len(lacking) > 3 else ''}"
+            )
+    wrong = [
+        (key, t, state.shapes[i])
+        for i in state.owned_ids
+        for key in (f"param/{state.names[i]}", f"momentum/{state.names[i]}")
+        if (t := tensors.get(key)) is not None and (tuple(t.shape) != state.shapes[i] or t.dtype != torch.float32)
+    ]
+    if wrong:
+        key, t, want = wrong[0]
+        raise CheckpointError(
+            f"checkpoint in {path} does not fit the run's model ({len(wrong)} tensors differ): {key} is "
+            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}, the run's model has {want} float32"
+        )
 
 
 def journaled_delta(
