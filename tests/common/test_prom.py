@@ -123,41 +123,91 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout():
         exporter.close()
 
 
-def test_connections_over_a_clients_share_are_closed_at_once_and_others_are_still_answered():
-    """``max_per_peer`` bounds one client address (idle connections of it over the bound are
-    closed as they are accepted); another client's scrape is answered meanwhile."""
+class _Held:
+    """A collector whose first ``count`` collects wait for ``release``: scrapes that stay
+    in their answer, holding their connection's slot, for as long as a test needs."""
+
+    def __init__(self, count: int) -> None:
+        import threading
+
+        self.count = count
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        with self._lock:
+            self.count -= 1
+            hold = self.count >= 0
+        if hold:
+            self.release.wait(10)
+        return []
+
+
+def _request(port: int, source: str = "127.0.0.1"):
+    """A scrape sent, its answer not read yet."""
+    sock = connect(port, source)
+    sock.sendall(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+    return sock
+
+
+def test_requests_over_a_clients_share_are_answered_503_and_others_are_still_answered():
+    """``max_per_peer`` bounds the requests one client address has being answered at once (a
+    connection that has not sent its whole request holds no share: see
+    test_prom_admission.py); one over it is answered ``503`` with ``Retry-After`` (it was
+    closed without an answer, which a scraper records as a network error), while another
+    client's scrape is answered meanwhile."""
     import http.client
 
     from ddiloco.common.prom import Exporter, HTTPBounds
+    from support import wait_until
 
     exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=60, max_connections=4, max_per_peer=2))
-    held = []
+    held = _Held(2)
+    exporter.registry.register(held)
+    busy = []
     try:
-        held = [connect(exporter.port) for _ in range(2)]  # accepted, idle, in this order
-        over = connect(exporter.port)
-        assert closed_within(over, 5)
+        busy = [_request(exporter.port) for _ in range(2)]
+        wait_until(lambda: exporter.server.open_connections() == 2, 5, "two scrapes in their answer")
+        over = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
+        over.request("GET", "/metrics")
+        answer = over.getresponse()
+        assert (answer.status, answer.getheader("Retry-After")) == (503, "1")
+        over.close()
         scrape = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5, source_address=("127.0.0.2", 0))
         scrape.request("GET", "/metrics")
         assert scrape.getresponse().status == 200
         scrape.close()
     finally:
-        for s in held:
+        held.release.set()
+        for s in busy:
             s.close()
         exporter.close()
 
 
-def test_connections_over_the_total_are_closed_at_once():
+def test_requests_over_the_total_are_answered_503():
     from ddiloco.common.prom import Exporter, HTTPBounds
+    from support import wait_until
 
     exporter = Exporter("127.0.0.1", 0, HTTPBounds(idle_timeout_s=60, max_connections=3, max_per_peer=2))
-    held = []
+    held = _Held(3)
+    exporter.registry.register(held)
+    busy = []
     try:
-        held = [connect(exporter.port), connect(exporter.port), connect(exporter.port, "127.0.0.2")]
-        over = connect(exporter.port, "127.0.0.3")  # a client of its own, over the total
-        assert closed_within(over, 5)
-        assert not closed_within(held[2], 0)  # the ones within the bound stay open
+        busy = [_request(exporter.port), _request(exporter.port), _request(exporter.port, "127.0.0.2")]
+        wait_until(lambda: exporter.server.open_connections() == 3, 5, "three scrapes in their answer")
+        over = _request(exporter.port, "127.0.0.3")  # a client of its own, over the total
+        assert over.recv(64).startswith(b"HTTP/1.0 503 ")
+        assert not closed_within(busy[2], 0)  # the ones within the bound are still being answered
+        held.release.set()
+        for s in busy:
+            s.settimeout(5)
+            assert s.recv(64).startswith(b"HTTP/1.0 200 ")
     finally:
-        for s in held:
+        held.release.set()
+        for s in busy:
             s.close()
         exporter.close()
 

@@ -1,7 +1,7 @@
 """The coordinator's status page over a real HTTP socket: its view is strict JSON, and what
 one client can hold of it is bounded (``ddiloco.common.prom.HTTPBounds``): connections that
-send no request are closed after the idle timeout, connections over a client's share at
-once, while other clients are still answered."""
+send no request are closed after the idle timeout, requests over a client's share are
+answered 503, while other clients are still answered."""
 
 from __future__ import annotations
 
@@ -32,18 +32,42 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_idle_timeout(pag
     assert json.load(urllib.request.urlopen(page.url + "status.json", timeout=5)) == {"members": [], "outer": None}
 
 
-@pytest.mark.parametrize("page", [HTTPBounds(idle_timeout_s=60, max_connections=4, max_per_peer=2)], indirect=True)
-def test_connections_over_a_clients_share_are_closed_at_once_and_the_page_still_answers(page):
-    held = [connect(page.port) for _ in range(2)]  # accepted, idle, in this order
+def test_requests_over_a_clients_share_are_answered_503_and_the_page_still_answers():
+    """A client's requests being answered count against its share (a connection that has not
+    sent its whole request does not: test_prom_admission.py); one over it is answered ``503``
+    with ``Retry-After`` (it was closed without an answer), another client is answered."""
+    import socket
+    import threading
+
+    from support import wait_until
+
+    release = threading.Event()
+
+    def view():  # each build waits: the requests stay in their answer, holding their slots
+        release.wait(10)
+        return {"members": [], "outer": None}
+
+    p = StatusPage("127.0.0.1", 0, view, HTTPBounds(idle_timeout_s=60, max_connections=4, max_per_peer=2))
+    busy: list[socket.socket] = []
     try:
-        assert closed_within(connect(page.port), 5)
-        browser = http.client.HTTPConnection("127.0.0.1", page.port, timeout=5, source_address=("127.0.0.2", 0))
-        browser.request("GET", "/status.json")
+        for _ in range(2):
+            busy.append(connect(p.port))
+            busy[-1].sendall(b"GET /status.json HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        wait_until(lambda: p.server.open_connections() == 2, 5, "two requests in their answer")
+        over = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5)
+        over.request("GET", "/status.json")
+        answer = over.getresponse()
+        assert (answer.status, answer.getheader("Retry-After")) == (503, "1")
+        over.close()
+        browser = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5, source_address=("127.0.0.2", 0))
+        browser.request("GET", "/")
         assert browser.getresponse().status == 200
         browser.close()
     finally:
-        for s in held:
+        release.set()
+        for s in busy:
             s.close()
+        p.close()
 
 
 def test_a_view_that_is_not_strict_json_is_an_error_not_a_page_that_stops():

@@ -1,26 +1,30 @@
 """The coordinator's Prometheus metrics: the run's state, every member's lease state and
 reported counters, how far behind the global version each learner trains, and goodput,
-all read from the same view as the status page (``status_data.build``) at scrape time."""
+read at scrape time from the same figures as the status page's, built by
+``status_data.build_exported`` (only what is exported here) at most once a second
+(``common.prom.Memo``: a flood of scrapes costs one build a second)."""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ddiloco.common.prom import Exporter
+from ddiloco.common.prom import Exporter, Memo
 from ddiloco.coordinator import status_data
 from ddiloco.coordinator.membership import STATE_NAMES
 
 
 class CoordinatorMetrics:
-    def __init__(self, exporter: Exporter, service) -> None:
+    def __init__(self, exporter: Exporter, service, cache_s: float = 1.0, clock=time.monotonic) -> None:
         reg = exporter.registry
         self.registrations = Counter(
             "ddiloco_coordinator_learner_registrations_total", "Learner processes registered (a restart counts again)", registry=reg
         )
         self.deaths = Counter("ddiloco_coordinator_learner_deaths_total", "Leases that expired (a learner went silent)", registry=reg)
-        reg.register(_RunView(service))
+        reg.register(_RunView(service, cache_s, clock))
         exporter.on_event(self.observe)
 
     def observe(self, kind: str, f: dict) -> None:
@@ -38,12 +42,12 @@ class _RunView(Collector):
         ("bytes_downloaded", "ddiloco_coordinator_learner_downloaded_bytes", "Payload bytes a learner reported downloaded"),
     )
 
-    def __init__(self, service) -> None:
+    def __init__(self, service, cache_s: float = 1.0, clock=time.monotonic) -> None:
         self.service = service
+        self._view = Memo(lambda: status_data.build_exported(service.members, service.watch), cache_s, clock)
 
     def collect(self):
-        svc = self.service
-        view = status_data.build(svc.config, svc.members, svc.watch)
+        view = self._view.get()
         run = GaugeMetricFamily("ddiloco_coordinator_run_state", "1 for the state the run is in", labels=["state"])
         for name in STATE_NAMES.values():
             run.add_metric([name], 1.0 if view["state"] == name else 0.0)

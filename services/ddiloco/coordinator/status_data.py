@@ -34,14 +34,56 @@ def member_state(rec, alive: bool, run_state: int) -> str:
 
 
 def build(config, members, watch) -> dict:
+    """The whole view, for the status page."""
     now = time.time()
     with watch.lock:
         outer = watch.outer
         curve = list(watch.curve)
         recent = list(watch.notable)[-RECENT_EVENTS:]
-        goodput = dict(watch.goodput, frozen=watch.goodput_frozen) if watch.goodput else None
+        goodput = _goodput(watch)
         started = watch.started_t
-    version = outer.version if outer is not None else None
+    run_state, elapsed, tokens, rows = _members(members, outer.version if outer is not None else None)
+    out = {
+        "run_id": config.run_id,
+        "state": STATE_NAMES[run_state],
+        "elapsed_s": round(elapsed, 2),
+        "max_seconds": config.max_seconds,
+        "max_tokens": config.max_tokens,
+        "learners_planned": config.learners,
+        "fragments_planned": config.fragments,
+        "tokens": tokens,
+        "members": rows,
+        "outer": _outer(outer),
+        "links": [{"datacenter": dc, **v} for dc, v in sorted(watch.link_rates().items())],
+        # seconds since the first learner registered; the initial evaluation comes before, at 0
+        "curve": [[max(0.0, round(t - started, 2)) if started else 0.0, v, loss] for t, v, loss in curve],
+        "goodput": goodput,
+        "events": [_summary(e, now) for e in reversed(recent)],
+        "generated_t": now,
+    }
+    return _finite(out)
+
+
+def build_exported(members, watch) -> dict:
+    """The part of the view the coordinator's Prometheus collector exports (the run's state
+    and time, the member rows, goodput), the same figures as ``build``'s: a scrape built the
+    whole view (the outer optimizer's lists, the eval curve, the events) and exported none
+    of the rest."""
+    with watch.lock:
+        version = watch.outer.version if watch.outer is not None else None
+        goodput = _goodput(watch)
+    run_state, elapsed, _, rows = _members(members, version)
+    return _finite({"state": STATE_NAMES[run_state], "elapsed_s": round(elapsed, 2), "members": rows, "goodput": goodput})
+
+
+def _goodput(watch) -> dict | None:
+    """(under ``watch.lock``)"""
+    return dict(watch.goodput, frozen=watch.goodput_frozen) if watch.goodput else None
+
+
+def _members(members, version: int | None) -> tuple[int, float, int, list[dict]]:
+    """The run's state, elapsed training time and tokens, and a row per member; ``version``:
+    the outer optimizer's global version (None: not known)."""
     with members.lock:
         run_state = members.state
         mono = members.clock()
@@ -70,27 +112,7 @@ def build(config, members, watch) -> dict:
                 "compute_utilization": round(min(1.0, rec.stats.get("compute_seconds", 0.0) / wall), 4) if wall > 0 else 0.0,
                 "heartbeat_age_s": round(mono - rec.last_heartbeat, 2),
             })
-        elapsed = members.elapsed()
-        tokens = members.tokens()
-    out = {
-        "run_id": config.run_id,
-        "state": STATE_NAMES[run_state],
-        "elapsed_s": round(elapsed, 2),
-        "max_seconds": config.max_seconds,
-        "max_tokens": config.max_tokens,
-        "learners_planned": config.learners,
-        "fragments_planned": config.fragments,
-        "tokens": tokens,
-        "members": rows,
-        "outer": _outer(outer),
-        "links": [{"datacenter": dc, **v} for dc, v in sorted(watch.link_rates().items())],
-        # seconds since the first learner registered; the initial evaluation comes before, at 0
-        "curve": [[max(0.0, round(t - started, 2)) if started else 0.0, v, loss] for t, v, loss in curve],
-        "goodput": goodput,
-        "events": [_summary(e, now) for e in reversed(recent)],
-        "generated_t": now,
-    }
-    return _finite(out)
+        return run_state, members.elapsed(), members.tokens(), rows
 
 
 def _finite(value):
@@ -122,10 +144,9 @@ def _outer(st) -> dict | None:
         "eval_loss": st.last_eval_loss if st.last_eval_version or st.last_eval_loss else None,
         "eval_accuracy": st.last_eval_accuracy,
         "eval_version": st.last_eval_version,
+        # fragments only: the page shows no per-learner merge counts (they were copied into
+        # every view, as many as the outer optimizer listed), /metrics of the outer has them
         "fragments": [{"fragment": f.fragment, "version": f.version, "tokens_merged": f.tokens_merged} for f in st.fragments],
-        "learners": [
-            {"learner": lr.learner_id, "deltas_merged": lr.deltas_merged, "deltas_refused": lr.deltas_refused} for lr in st.learners
-        ],
     }
 
 

@@ -20,6 +20,7 @@ import grpc
 
 from ddiloco.common.metrics import EVALUATOR_SOURCES
 from ddiloco.common.shard_status import read_status
+from ddiloco.coordinator.membership import max_learner_ids
 from ddiloco.v1 import outer_pb2
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class RunWatch:
         self._partial = b""
         self._goodput_at = 0.0
         self._rates = _Rates()
+        self._refused: str | None = None  # why the last status read was not kept (logged when it changes)
         self.stop_event = threading.Event()
 
     def start(self) -> None:
@@ -89,6 +91,14 @@ class RunWatch:
             st = read_status(addresses, self.security)  # every shard, combined as one outer optimizer
         except grpc.RpcError:
             return  # down or restarting: the page keeps the last status and says how old it is
+        problem = outer_status_problem(st, self.members.config)
+        if problem is not None:
+            # kept out: the page keeps the last status it could use, as when the outer is down
+            if problem != self._refused:
+                log.warning("outer optimizer status at %s not used: %s", addresses, problem)
+            self._refused = problem
+            return
+        self._refused = None
         with self.lock:
             self.outer = st
 
@@ -145,6 +155,30 @@ class RunWatch:
 
     def link_rates(self) -> dict[str, dict[str, float]]:
         return self._rates.per_datacenter()
+
+
+def outer_status_problem(st: outer_pb2.OuterStatus, config) -> str | None:
+    """Why the outer optimizer status ``st`` cannot be this run's (None: it can).
+
+    Why: whatever the registered outer address answers is kept, and each view of the page
+    was built from it: in --insecure anyone may register as the outer optimizer, and a status
+    listing 250,000 fragments and learners (4.9 MB, within gRPC's message cap) made every
+    /status.json 31 MB and 1.3 s of the coordinator's CPU. A real one lists at most the run's
+    P fragments, each once, and at most its 2M learner ids (``max_learner_ids``), so what is
+    kept (and shown) is bounded by the run's own configuration."""
+    if st.run_id != config.run_id:
+        return f"it is run {st.run_id[:64]!r}'s, this is {config.run_id!r}"
+    if len(st.fragments) > config.fragments:
+        return f"it lists {len(st.fragments)} fragments; the run has {config.fragments}"
+    indices = [f.fragment for f in st.fragments]
+    if len(set(indices)) != len(indices) or any(not 0 <= i < config.fragments for i in indices):
+        return f"its fragments are not distinct ones of [0, {config.fragments})"
+    ids = max_learner_ids(config)
+    if len(st.learners) > ids:
+        return f"it lists {len(st.learners)} learners; the run has at most {ids} learner ids"
+    if any(not 0 <= lr.learner_id < ids for lr in st.learners):
+        return f"it lists learner ids outside [0, {ids})"
+    return None
 
 
 class _Rates:
