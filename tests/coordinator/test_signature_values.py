@@ -66,3 +66,11 @@ def test_a_signature_of_many_unexpected_tensors_names_the_first_few_and_counts_t
     assert "(10000 tensors, 20,000 parameters; the run has 2 tensors, 3 parameters)" in message
     assert "unexpected extra0 [2]" in message and "unexpected extra4 [2]" in message and "extra5 " not in message
     assert message.endswith("; and 9997 more"), message  # 10,000 unexpected and 2 missing, 5 of them named
+
+
+def test_a_signature_of_far_more_tensors_than_the_run_has_is_refused_from_the_counts():
+    """Before its tensors are hashed and compared (400,000 of them cost 1.3 s a Register)."""
+    expected = signature_of_model(linear(0.5))
+    many = signature_of([(f"t{i}", (1,)) for i in range(100_000)], "0" * 64, ["float32"] * 100_000)
+    with pytest.raises(FailedPrecondition, match=f"this learner's model has 100,000 tensors, the run's model {len(expected.tensors)}"):
+        check_signature(many, expected)
