@@ -146,7 +146,8 @@ def _corrupt_latest(tmp_path) -> str:
     return name
 
 
-@pytest.mark.parametrize("damage", ["flipped-bit", "missing-folder", "missing-state", "state-still-parsing"])
+@pytest.mark.parametrize("damage", ["flipped-bit", "missing-folder", "missing-state", "state-still-parsing",
+                                    "tensors-grown-sparse", "state-a-fifo"])
 def test_restore_falls_back_to_the_previous_complete_checkpoint_and_replays_to_the_same_state(tmp_path, damage):
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)
@@ -168,6 +169,16 @@ def test_restore_falls_back_to_the_previous_complete_checkpoint_and_replays_to_t
         saved = json.loads(path.read_text())
         saved["learners"]["0"]["last_seq_accepted"] -= 1
         path.write_text(json.dumps(saved))
+    elif damage == "tensors-grown-sparse":
+        # 16 GiB that take no disk: read whole before its size was known (state.json now
+        # says how many bytes the tensors file holds)
+        with open(tmp_path / "checkpoints" / name / "global.safetensors", "r+b") as f:
+            f.truncate(16 << 30)
+    elif damage == "state-a-fifo":
+        import os
+
+        (tmp_path / "checkpoints" / name / "state.json").unlink()
+        os.mkfifo(tmp_path / "checkpoints" / name / "state.json")  # reading one waited for a writer
     else:
         (tmp_path / "checkpoints" / name / "state.json").unlink()
 

@@ -66,7 +66,7 @@ def rewrite_tensors(folder, mutate) -> None:
     mutate(tensors)
     blob = save_tensors(tensors)
     (folder / "global.safetensors").write_bytes(blob)
-    reseal(folder, lambda st: st.update(tensors_sha256=hashlib.sha256(blob).hexdigest()))
+    reseal(folder, lambda st: st.update(tensors_sha256=hashlib.sha256(blob).hexdigest(), tensors_bytes=len(blob)))
 
 
 def checkpointed(tmp_path, cfg) -> OuterState:

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import pathlib
+import stat
 import threading
 from typing import Callable
 
@@ -38,6 +39,46 @@ class StorageError(OSError):
     def __str__(self) -> str:
         name = errno_mod.errorcode.get(self.errno, "?")
         return f"cannot write {self.path}: [Errno {self.errno} {name}] {self.strerror}"
+
+
+# What a file of our own holds at most, by kind: a reader takes no more (a sparse file or a
+# device in its place is refused from its size or type, not read until memory runs out)
+MAX_RECORD_BYTES = 64 << 20  # a JSON record: a checkpoint's state, a merge record, state.json
+MAX_NAME_BYTES = 4096  # a file naming another (LATEST)
+
+
+class FileRefused(OSError):
+    """A file is not one to read: not a regular file, or larger than it can be."""
+
+
+def read_file(path: pathlib.Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file ``path``: ``FileRefused`` if it is something else (a
+    FIFO would block the reader until a writer came; /dev/zero never ends) or holds more than
+    ``max_bytes`` (checked from its size before anything is read: a sparse file of 16 GB
+    reads as 16 GB of zeros). Other ``OSError`` as ``open`` raises them."""
+    path = pathlib.Path(path)
+    # O_NONBLOCK: opening a FIFO for reading blocks until it has a writer; a regular file's
+    # reads ignore the flag
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(errno_mod.EINVAL, "not a regular file", str(path))
+        if st.st_size > max_bytes:
+            raise FileRefused(errno_mod.EFBIG, f"{st.st_size:,} bytes, more than the {max_bytes:,} it can hold", str(path))
+        chunks, left = [], max_bytes + 1  # one byte more: a file that grew since is refused too
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise FileRefused(errno_mod.EFBIG, f"more than the {max_bytes:,} bytes it can hold", str(path))
+    return data
 
 
 def fsync_dir(path: pathlib.Path) -> None:

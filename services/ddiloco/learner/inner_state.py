@@ -191,8 +191,10 @@ class Keeper:
             self.thread.join(timeout)
 
 
-def _read(path: pathlib.Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    data = pathlib.Path(path).read_bytes()
+def _read(path: pathlib.Path, max_bytes: int = 1 << 62) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``max_bytes``: what the file of this model can hold (``restore``); a larger one, or
+    one that is no regular file, raises ``durable.FileRefused`` (an OSError) unread."""
+    data = durable.read_file(path, max_bytes)
     try:
         tensors = load_tensors(data)
         # the header is JSON of its own length at the file's start (the safetensors format)
@@ -291,7 +293,8 @@ def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], 
     if not path.exists():
         return None
     try:
-        meta, tensors = _read(path)
+        # two float32 moments per parameter value, and a header of names and shapes
+        meta, tensors = _read(path, 8 * sum(p.numel() for p in params) + (1 << 20) + 64 * len(params))
         betas = tuple(optimizer.param_groups[0].get("betas", (0.9, 0.999)))
         restored = check(meta, tensors, run_id, learner_id, names, params, betas)
     except (StaleState, OSError) as exc:

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ddiloco.common import durable
 from ddiloco.common.config import DEFAULT_WORKLOAD, ModelConfig, RunConfig
 from ddiloco.outer.checkpoint import CheckpointError, Incomplete, folder_key, latest_name, read_folder
 
@@ -222,7 +223,9 @@ def _run_config(run: pathlib.Path, origin: pathlib.Path) -> RunConfig:
     if not cfg_path.exists():
         raise SourceError(f"{origin}: no config.json in the run folder {run} (the model configuration comes from it)")
     try:
-        cfg = RunConfig.from_json(cfg_path.read_text())
+        cfg = RunConfig.from_json(durable.read_file(cfg_path, durable.MAX_RECORD_BYTES).decode())
+    except OSError as exc:
+        raise SourceError(f"{cfg_path}: cannot be read: {exc}") from exc
     except (ValueError, TypeError) as exc:
         raise SourceError(f"{cfg_path}: not a run configuration: {exc}") from exc
     _check_config(cfg, str(cfg_path))

@@ -62,10 +62,13 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from ddiloco.common.durable import (
+    MAX_NAME_BYTES,
+    MAX_RECORD_BYTES,
     SEAL,
     TMP_MARK,
     StorageError,
     fsync_dir,
+    read_file,
     remove_temporaries,
     seal,
     seal_holds,
@@ -80,7 +83,7 @@ TENSORS = "global.safetensors"
 STATE = "state.json"
 LATEST = "LATEST"
 _FOLDER = re.compile(r"^v(\d+)(?:-g(\d+))?$")  # "v00000008" is the layout before generations
-_UNKEYED = ("written_at", "tensors_sha256", SEAL)  # fields that differ between two writes of the same state
+_UNKEYED = ("written_at", "tensors_sha256", "tensors_bytes", SEAL)  # fields that differ between two writes of the same state
 
 
 class CheckpointError(Exception):
@@ -109,7 +112,7 @@ def latest_name(root: pathlib.Path) -> str | None:
     if not path.exists():
         return None
     try:
-        name = path.read_text().strip()
+        name = read_file(path, MAX_NAME_BYTES).decode().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
     if not _FOLDER.match(name):
@@ -267,6 +270,8 @@ def check_state(state: object) -> dict:
             _int(pair[1], f"pending[{i}][1]")
     if "tensors_sha256" in st:  # optional: read_folder compares it only where present
         _str(st["tensors_sha256"], "tensors_sha256")
+    if "tensors_bytes" in st:  # optional too: read_folder reads no more than it says
+        _int(st["tensors_bytes"], "tensors_bytes")
     return st
 
 
@@ -276,8 +281,11 @@ def read_folder(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict]:
     if not path.is_dir():
         raise Incomplete(f"{path.name}: folder missing")
     try:
-        state = json.loads((path / STATE).read_text())
-        blob = (path / TENSORS).read_bytes()
+        state = json.loads(read_file(path / STATE, MAX_RECORD_BYTES))
+        # the tensors file's size is in the sealed state (checkpoints from before it: any
+        # size, but a regular file): a sparse or damaged file is refused, not read whole
+        size = state.get("tensors_bytes") if isinstance(state, dict) else None
+        blob = read_file(path / TENSORS, size if type(size) is int and size >= 0 else 1 << 62)
     except FileNotFoundError as exc:
         raise Incomplete(f"{path.name}: {pathlib.Path(exc.filename).name} missing") from exc
     except (OSError, ValueError) as exc:
@@ -384,7 +392,8 @@ class CheckpointStore:
         tmp = self.root / f".{name}{TMP_MARK}"
         final = self.root / name
         blob = save_tensors(tensors, metadata={"version": str(version)})
-        state = seal(dict(state, tensors_sha256=hashlib.sha256(blob).hexdigest(), written_at=time.time()))
+        state = seal(dict(state, tensors_sha256=hashlib.sha256(blob).hexdigest(), tensors_bytes=len(blob),
+                          written_at=time.time()))
         try:
             with _storage(tmp):
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -90,7 +90,7 @@ class Evaluator:
         if self.initial_path is None or not self.initial_path.exists():
             return None
         try:
-            kept = json.loads(self.initial_path.read_text())
+            kept = json.loads(durable.read_file(self.initial_path, durable.MAX_RECORD_BYTES))
             loss = float(kept["eval_loss"])
             acc = math.nan if kept["eval_accuracy"] is None else float(kept["eval_accuracy"])
         except (OSError, ValueError, KeyError, TypeError) as exc:

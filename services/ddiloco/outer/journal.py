@@ -98,7 +98,10 @@ def read_entry(path: pathlib.Path) -> tuple[outer_pb2.DeltaHeader, bytes]:
     """Parse and verify one entry; raises ``JournalCorrupt`` with the reason."""
     path = pathlib.Path(path)
     try:
-        blob = path.read_bytes()
+        # a regular file (a FIFO or a device named like an entry would hang or never end);
+        # its size is bounded by the payload limit the entry was admitted under, which a
+        # resumed run may have changed: the type is what is checked here
+        blob = durable.read_file(path, 1 << 62)
     except OSError as exc:
         raise JournalCorrupt(path, f"cannot read: {exc}") from exc
     if len(blob) < 4:
@@ -218,7 +221,7 @@ class RefusalJournal:
         it cannot be used)."""
         for path in sorted(self.folder.glob("*.json")):
             try:
-                record = json.loads(path.read_text())
+                record = json.loads(durable.read_file(path, durable.MAX_RECORD_BYTES))
                 fields = tuple(record[k] for k in ("learner_id", "seq", "fragment", "tokens"))
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 yield path, None, f"does not parse: {exc!r}"
@@ -256,7 +259,7 @@ class MergeJournal:
         does not parse."""
         for path in sorted(self.folder.glob("*.json")):
             try:
-                record = json.loads(path.read_text())
+                record = json.loads(durable.read_file(path, durable.MAX_RECORD_BYTES))
                 record["version"], record["fragment"], record["deltas"]  # noqa: B018 -- present
             except (OSError, ValueError, TypeError, KeyError) as exc:
                 raise MergeRecordCorrupt(path, f"does not parse: {exc!r}") from exc
