@@ -41,6 +41,27 @@ The Register answer gives the process its incarnation number, which its deltas c
 that the outer optimizer refuses a replaced process's uploads as well, also while only the
 coordinator is cut off from it (ddiloco.outer.known_learners).
 
+A Leave ends the incarnation with its last statistics: they are final. Another Leave from the
+holder is accepted only as a retry, repeating them exactly (its first answer may have been lost,
+or UNAVAILABLE); one with other statistics is refused (``NotFound``, as its heartbeats are) and
+changes nothing. A holder that left and wants back registers again.
+
+FINISHED is the end: ``report.json`` is written from the membership as it stands then, and
+``state.json`` keeps that membership unchanged, so the two agree (and ``--reopen`` continues from
+the figures the report gave). From then on no call changes it; the usual checks still come
+first (run id, token, ``Superseded``, ``NotFound``), and then:
+
+* Heartbeat: answered, with the FINISHED state, which makes a learner drain and leave; its
+  statistics are not kept and its lease is not renewed (a lease that runs out then is not
+  announced as a death: ``tick``);
+* Leave: answered OK, changing nothing (the learner is stopping; it only logs a refusal, so
+  one would tell it nothing);
+* RegisterService: answered OK with the FINISHED state, changing no address: the run's last
+  addresses stay those its end used, and an outer process started then reads FINISHED and
+  exits (a refusal would fail its start, which retries only while the coordinator is
+  unreachable);
+* Register: refused ``FailedPrecondition``, as during DRAINING.
+
 State is persisted atomically to ``state.json`` on every membership change, so a restarted
 coordinator rebuilds the same view; learners that do not know it re-register with their id.
 A change whose save the disk refuses is answered UNAVAILABLE (the caller retries) and kept
@@ -48,9 +69,14 @@ in memory, where the timer's next save writes it.
 
 The file is sealed (``durable.seal``) and checked field by field on load. One that cannot be
 read, whose seal fails, or that holds what no coordinator writes (an unknown run state, a
-member outside the run's ids) raises ``StateFileError`` naming the file, and the coordinator
-refuses to start: guessing would serve a run that never drains, or lose the budget spent and
-every learner's statistics without a word. Atomic writes rule out a torn file, so such a file
+member outside the run's ids, a number of another type or beyond the field it goes out in:
+int64 counters, int32 incarnations, statistics beyond what one report may claim) raises
+``StateFileError`` naming the file and the field, and the coordinator refuses to start:
+guessing would serve a run that never drains, or lose the budget spent and every learner's
+statistics without a word (or, for such a number, start and then fail every call that sends
+it: UNKNOWN on every GetMembership or Heartbeat). The statistics' ceilings need the run's
+workload, which a restart with reported statistics loads before it serves
+(``_check_ceilings``). Atomic writes rule out a torn file, so such a file
 is damage (a disk, a copy cut short, a hand edit); the operator restores it, or moves it away
 to start the membership afresh knowingly. A file from before the seal is still read.
 """
@@ -82,6 +108,7 @@ from ddiloco.common.errors import (
 from ddiloco.coordinator.signature import check_signature, model_signature
 from ddiloco.coordinator.stats_rules import (
     ADDITIVE,
+    INT64_MAX,
     STATS_FIELDS,
     Bounds,
     check_report,
@@ -106,6 +133,7 @@ MAX_TOKEN_CHARS = 128
 # after a restart.
 MAX_ADDRESS_CHARS = 255  # HOST:PORT; a DNS name is at most 253 characters
 MAX_DATACENTER_CHARS = 64
+INT32_MAX = (1 << 31) - 1  # incarnations and learner ids are int32 on the wire
 
 
 class StateFileError(ValueError):
@@ -173,6 +201,7 @@ class Membership:
         # FINISHED: a coordinator restarted before its report was written writes it from them
         self.final: dict | None = None
         self._bounds: Bounds | None = None  # from the workload, with the signature
+        self._workload = None  # loaded to check a state file's statistics; the signature's build takes it
         self.max_ids = max_learner_ids(config)
         self._signature = None
         self._signature_lock = threading.Lock()
@@ -205,7 +234,7 @@ class Membership:
                 from ddiloco.workloads import WorkloadError, load
 
                 try:
-                    workload = load(self.config)
+                    workload, self._workload = self._workload or load(self.config), None
                     signature = model_signature(self.config, workload)
                     self._bounds = Bounds.for_run(self.config, workload.step_weight())
                 except WorkloadError as exc:
@@ -303,6 +332,9 @@ class Membership:
                 rec = MemberRecord(learner_id=learner_id, shard_index=learner_id % self.config.learners)
                 self.members[learner_id] = rec
             if rec.instance_token != token:  # a new process: a new incarnation
+                if rec.incarnation >= INT32_MAX:  # an int32 on the wire: one more would fail every GetMembership
+                    raise ResourceExhausted(f"learner id {learner_id} has had {rec.incarnation} processes, the most "
+                                            "one id can have; register under another id")
                 for k in ADDITIVE:
                     rec.carried[k] = saturating_sum([rec.carried.get(k, 0), rec.stats.get(k, 0)])
                 rec.stats = {}
@@ -332,11 +364,22 @@ class Membership:
             raise ResourceExhausted(f"all {self.max_ids} learner ids of this run are held by live learners")
         return free
 
+    def _finished(self) -> bool:
+        return self.state == coordinator_pb2.RUN_STATE_FINISHED
+
     def heartbeat(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str) -> MemberRecord:
+        """Renew the holder's lease and keep its report; after FINISHED, change nothing (the
+        answer's state tells the learner to stop)."""
         self._check_run(run_id)
-        bounds = self.bounds
+        # FINISHED is final while serving (only --reopen, before serving, leaves it): a report
+        # that will not be kept needs no bounds, whose first read builds the model
+        bounds = None if self._finished() else self.bounds
         with self.lock:
             rec = self._registered(learner_id, token)
+            if self._finished():
+                return rec
+            if bounds is None:  # FINISHED left meanwhile: never while serving
+                raise Unavailable("the run's state changed during this call; retry")
             if rec.left:
                 raise NotFound(f"learner {learner_id} left the run; register again")
             self._accept_stats(rec, stats, bounds)
@@ -346,12 +389,24 @@ class Membership:
             return rec
 
     def leave(self, run_id: str, learner_id: int, stats: common_pb2.LearnerStats, token: str) -> None:
+        """Mark the holder as left with its last report. Once left, its statistics are final:
+        a Leave again is a retry only if it repeats them (saved again: the first may have been
+        answered UNAVAILABLE), else ``NotFound``; after FINISHED, a Leave changes nothing."""
         self._check_run(run_id)
-        bounds = self.bounds
+        bounds = None if self._finished() else self.bounds  # as in ``heartbeat``
         with self.lock:
             rec = self._registered(learner_id, token)
-            self._accept_stats(rec, stats, bounds)
-            rec.left = True
+            if self._finished():
+                return
+            if bounds is None:  # as in ``heartbeat``
+                raise Unavailable("the run's state changed during this call; retry")
+            if rec.left:
+                if stats_to_dict(stats) != rec.stats:
+                    raise NotFound(f"learner {learner_id} left the run with other statistics, which are final; "
+                                   "register again to rejoin")
+            else:
+                self._accept_stats(rec, stats, bounds)
+                rec.left = True
             self._save_for(f"learner {learner_id}'s leave")
 
     @property
@@ -359,16 +414,22 @@ class Membership:
         """Outer shard 0's address (the outer optimizer's, when the run has one shard)."""
         return self.outer_shards[0]
 
-    def set_outer(self, address: str, shard: int = 0) -> None:
-        """Outer shard ``shard`` serves at ``address`` (again, after a restart)."""
+    def set_outer(self, address: str, shard: int = 0) -> bool:
+        """Outer shard ``shard`` serves at ``address`` (again, after a restart). After FINISHED,
+        changes nothing and returns False (the answer's state says FINISHED): the addresses are
+        those the run ended with, and an outer process started then exits when it reads that."""
         if not 0 <= shard < len(self.outer_shards):
             raise InvalidArgument(f"outer shard {shard} does not exist; the run has {len(self.outer_shards)} (--outer-shards)")
         if not address or len(address) > MAX_ADDRESS_CHARS:
             raise InvalidArgument(f"an outer shard's address is HOST:PORT, got {address[:64]!r}")
         with self.lock:
+            if self._finished():
+                return False
             self.outer_shards[shard] = address
-            self.outer_registrations += 1
+            # an int64 on the wire; saturated, as no run comes near it (a loaded file may hold the most)
+            self.outer_registrations = min(INT64_MAX, self.outer_registrations + 1)
             self._save_for(f"outer shard {shard}'s registration")
+            return True
 
     def claims_spend_token_budget(self) -> bool:
         """Whether the running run's learners claim its token budget spent: ``tick`` ends it
@@ -396,7 +457,10 @@ class Membership:
         confirmed = self.tokens_confirmed(answered) if answered is not None else None
         events = []
         with self.lock:
-            for i, rec in self.members.items():
+            # after FINISHED, a lease that runs out is no learner's death: its heartbeats renew
+            # nothing then, and its Leave marks nothing (the report was written from this membership)
+            members = {} if self._finished() else self.members
+            for i, rec in members.items():
                 if not rec.left and not self.is_alive(rec) and i not in self.dead_announced:
                     self.dead_announced.add(i)
                     events.append(("learner_dead", {"learner": i, "silent_s": round(self.clock() - rec.last_heartbeat, 2)}))
@@ -545,8 +609,8 @@ class Membership:
         if len(shards) != len(self.outer_shards):
             raise bad(f"it has {len(shards)} outer shards, the run has {len(self.outer_shards)}")
         registrations = doc.get("outer_registrations", 0)
-        if not _is_int(registrations) or registrations < 0:
-            raise bad(f"outer_registrations {registrations!r} is not a count")
+        if not _is_count(registrations):  # an int64 in every HeartbeatResponse
+            raise bad(f"outer_registrations {str(registrations)[:40]} is not a count from 0 to 2^63-1 (int64)")
         members: dict[int, MemberRecord] = {}
         for m in doc["members"]:
             rec = _member(m, bad)
@@ -556,8 +620,11 @@ class Membership:
             if rec.learner_id in members:
                 raise bad(f"learner {rec.learner_id} is listed twice")
             members[rec.learner_id] = rec
+        bounds = self._check_ceilings(members, bad)
         # all checked: only now does anything change
         self.state = doc["state"]
+        if bounds is not None:
+            self._bounds = bounds  # the run's, from its workload: the signature's build finds the same
         self.outer_shards = list(shards)
         self.outer_registrations = registrations
         self.elapsed_before = float(doc["elapsed"])
@@ -572,31 +639,95 @@ class Membership:
             rec.last_heartbeat = now
         self.members = members
 
+    def _check_ceilings(self, members: dict[int, MemberRecord], bad) -> Bounds | None:
+        """Each member's statistics of its current incarnation within what one report may
+        claim (``Bounds.ceiling``, the rule every report is held to): a restarted coordinator
+        takes them as the floor of the holder's next report, so a count beyond (a tokens
+        figure of 10^18) would be kept, and every honest report after it refused as going
+        backwards until the learner is declared dead. Field by field only: the relation of
+        tokens to inner steps is checked afresh on each report, which carries every counter,
+        and a file from before these rules may hold tokens without steps. Types and int64
+        ranges were checked already (``_member``); these ceilings need the run's step weight,
+        so the workload is loaded here, once (the signature's build reuses it), and only when
+        some member reported anything. That is the seconds of importing torch, spent before
+        the restarted coordinator serves and before the leases it grants start, and which its
+        first heartbeat would wait for anyway (``bounds``). A workload that cannot be loaded
+        leaves the ceilings unchecked, logged: it refuses every learner and every report too.
+        Returns the bounds, None if not needed or not known."""
+        if not any(x for rec in members.values() for x in rec.stats.values()):
+            return None
+        from ddiloco.workloads import load
+
+        try:
+            workload = load(self.config)
+            bounds = Bounds.for_run(self.config, workload.step_weight())
+        except Exception as exc:  # WorkloadError, or the workload's own code failed
+            log.warning("the saved learner statistics are not checked against the run's ceilings: its workload "
+                        "cannot be loaded (%s: %s)", type(exc).__name__, exc)
+            return None
+        for rec in sorted(members.values(), key=lambda r: r.learner_id):
+            for name, value in rec.stats.items():
+                if value > bounds.ceiling(name):
+                    raise bad(f"member {rec.learner_id}: stats.{name} = {value} exceeds what one learner process can "
+                              f"report in this run ({bounds.ceiling(name):.6g})")
+        self._workload = workload
+        return bounds
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_count(v) -> bool:
-    """A learner's statistic as check_report accepts it: a finite non-negative number."""
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+def _is_count(v, most: int = INT64_MAX) -> bool:
+    """A whole number in [0, ``most``]; by default what an int64 field carries. The coordinator
+    never writes a float where the wire has an integer, and the protobuf conversion refuses one
+    (1.5) or one out of range (2^63) only when a call serializes it: every such call failed."""
+    return _is_int(v) and 0 <= v <= most
+
+
+def _is_seconds(v) -> bool:
+    """A finite non-negative number, as a double field (or the elapsed time) holds it; a whole
+    number only within int64 (``saturating_sum`` gives no more; a larger one is no float)."""
+    return (isinstance(v, float) and math.isfinite(v) and v >= 0) or _is_count(v)
+
+
+# LearnerStats fields that are doubles on the wire; every other one is an int64
+_DOUBLE_STATS = frozenset(
+    f.name for f in common_pb2.LearnerStats.DESCRIPTOR.fields if f.cpp_type == f.CPPTYPE_DOUBLE
+)
+
+
+def _stats_problem(v) -> str | None:
+    """Why ``v`` is not learner statistics as saved (field name -> value typed as on the wire),
+    naming the field; None if it is."""
+    if not isinstance(v, dict):
+        return "is not a record of learner statistics"
+    for k, x in v.items():
+        if k not in STATS_FIELDS:
+            return f"has an unknown statistic {str(k)[:40]!r}"
+        if k in _DOUBLE_STATS:
+            if not _is_seconds(x):
+                return f".{k} = {str(x)[:40]} is not a finite non-negative number"
+        elif not _is_count(x):
+            return f".{k} = {str(x)[:40]} is not an integer from 0 to 2^63-1 (an int64 counter)"
+    return None
 
 
 _MEMBER_FIELDS = {
-    # field: (check, what it must be); shard_index and the id's range need the run (``_load``)
+    # field: (check, what it must be); shard_index and the id's range need the run (``_load``),
+    # and so do the stats' ceilings (``_check_ceilings``)
     "learner_id": (_is_int, "an integer"),
     "shard_index": (_is_int, "an integer"),
     "address": (lambda v: isinstance(v, str) and len(v) <= MAX_ADDRESS_CHARS, f"a string of at most {MAX_ADDRESS_CHARS} characters"),
     "datacenter": (lambda v: isinstance(v, str) and len(v) <= MAX_DATACENTER_CHARS, f"a string of at most {MAX_DATACENTER_CHARS} characters"),
     "ranks": (lambda v: _is_int(v) and 1 <= v <= MAX_RANKS_PER_LEARNER, f"1 to {MAX_RANKS_PER_LEARNER}"),
-    "incarnation": (lambda v: _is_int(v) and v >= 0, "a count"),
+    # an int32 on the wire (Member, RegisterResponse, DeltaHeader)
+    "incarnation": (lambda v: _is_count(v, INT32_MAX), "a count from 0 to 2^31-1 (int32)"),
     "instance_token": (lambda v: isinstance(v, str) and len(v) <= MAX_TOKEN_CHARS, f"a string of at most {MAX_TOKEN_CHARS} characters"),
     "left": (lambda v: isinstance(v, bool), "true or false"),
-    "stats": (lambda v: isinstance(v, dict) and all(k in STATS_FIELDS and _is_count(x) for k, x in v.items()),
-              "learner statistics (finite non-negative numbers by field name)"),
-    "carried": (lambda v: isinstance(v, dict) and all(k in STATS_FIELDS and _is_count(x) for k, x in v.items()),
-                "learner statistics (finite non-negative numbers by field name)"),
 }
+# per field of the statistics, so that the error names it (``_stats_problem``)
+_STATS_RECORDS = ("stats", "carried")
 
 
 def _member(m, bad) -> MemberRecord:
@@ -604,6 +735,11 @@ def _member(m, bad) -> MemberRecord:
     if not isinstance(m, dict) or "learner_id" not in m or "shard_index" not in m:
         raise bad(f"a member is not a record with learner_id and shard_index: {str(m)[:80]}")
     for k, v in m.items():
+        if k in _STATS_RECORDS:
+            problem = _stats_problem(v)
+            if problem is not None:
+                raise bad(f"member {str(m.get('learner_id'))[:20]}: {k}{problem if problem.startswith('.') else ' ' + problem}")
+            continue
         if k not in _MEMBER_FIELDS:
             raise bad(f"member {str(m.get('learner_id'))[:20]} has an unknown field {k[:40]!r}")
         check, what = _MEMBER_FIELDS[k]
@@ -632,7 +768,7 @@ def read_state(path: pathlib.Path) -> dict:
             raise StateFileError(path, f"it has no {key!r}")
     if doc["state"] not in STATE_NAMES or not _is_int(doc["state"]):
         raise StateFileError(path, f"state {str(doc['state'])[:40]} is not a run state ({sorted(STATE_NAMES)})")
-    if not _is_count(doc["elapsed"]):
+    if not _is_seconds(doc["elapsed"]):
         raise StateFileError(path, f"elapsed {str(doc['elapsed'])[:40]} is not a number of seconds")
     if not isinstance(doc["members"], list):
         raise StateFileError(path, "members is not a list")

@@ -140,8 +140,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, errors.bounded(f"run {request.run_id!r} is not {svc.config.run_id!r}"))
         if request.kind != "outer":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors.bounded(f"unknown service kind {request.kind!r}"))
-        self._guard(context, lambda: svc.members.set_outer(request.address, request.shard))
-        svc.metrics.event("outer_registered", address=request.address, shard=request.shard)
+        if self._guard(context, lambda: svc.members.set_outer(request.address, request.shard)):
+            # not after FINISHED, when the registration changes nothing (``Membership.set_outer``)
+            svc.metrics.event("outer_registered", address=request.address, shard=request.shard)
         return coordinator_pb2.RegisterServiceResponse(run_id=svc.config.run_id, state=svc.members.state)
 
 
