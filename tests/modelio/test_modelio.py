@@ -146,7 +146,8 @@ def test_a_checkpoint_alone_has_no_group_sizes_and_an_unreadable_state_is_named(
     (folder / "coordinator" / "state.json").write_text("{not json")
     assert inspect_cmd.main(argparse.Namespace(source=folder, version=None, json=False)) == 0  # the model still reads
     text = capsys.readouterr().out
-    assert f"membership     {folder / 'coordinator' / 'state.json'}: unreadable (JSONDecodeError" in text
+    assert f"membership     {folder / 'coordinator' / 'state.json'}: unreadable (StateFileError" in text
+    assert "not JSON" in text  # read and checked as a restarted coordinator reads it
     assert "0: 2 merged" in text and "rank" not in text.split("membership")[0]
 
 

@@ -95,7 +95,7 @@ from google.protobuf import json_format
 
 from ddiloco.common.config import RunConfig
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER
-from ddiloco.common.durable import StorageError, seal, seal_holds, write_json
+from ddiloco.common.durable import MAX_RECORD_BYTES, StorageError, read_file, seal, seal_holds, write_json
 from ddiloco.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -752,7 +752,7 @@ def read_state(path: pathlib.Path) -> dict:
     """A saved state file, read and checked as far as it can be without the run's
     configuration: raises ``StateFileError`` naming the file and what is wrong."""
     try:
-        text = pathlib.Path(path).read_text()
+        text = read_file(path, MAX_RECORD_BYTES).decode()  # a regular file of a bounded size
     except (OSError, UnicodeDecodeError) as exc:
         raise StateFileError(path, f"cannot be read: {exc}") from None
     try:
@@ -782,7 +782,7 @@ def saved_progress(state_path: pathlib.Path) -> tuple[str, float, int]:
     its budget, tokens its learners trained); ("waiting", 0, 0) if it saved none."""
     if not state_path.exists():
         return "waiting", 0.0, 0
-    doc = json.loads(state_path.read_text())
+    doc = read_state(state_path)  # checked as a restarted coordinator reads it (StateFileError, a ValueError)
     tokens = saturating_sum(v for m in doc["members"] for v in (m["carried"].get("tokens", 0), m["stats"].get("tokens", 0)))
     return STATE_NAMES.get(doc["state"], str(doc["state"])), float(doc["elapsed"]), tokens
 
@@ -791,5 +791,5 @@ def saved_members(state_path: pathlib.Path) -> dict[int, MemberRecord]:
     """Per learner id, its record in a run's saved coordinator state, read as a restarted
     coordinator reads it (``Membership._load``). Raises ``OSError``, ``ValueError``,
     ``KeyError`` or ``TypeError`` when the file cannot be read as a state file."""
-    doc = json.loads(state_path.read_text())
+    doc = read_state(state_path)
     return {int(m["learner_id"]): MemberRecord(**m) for m in doc["members"]}
