@@ -117,7 +117,10 @@ def test_state_survives_a_coordinator_restart(coordinator):
 
     cluster, stub = coordinator
     stub.RegisterService(coordinator_pb2.RegisterServiceRequest(run_id="run", kind="outer", address="127.0.0.1:9"), timeout=5)
-    ids = [register(stub, token=f"process-{k}").learner_id for k in range(2)]
+    answers = [register(stub, token=f"process-{k}") for k in range(2)]
+    ids = [a.learner_id for a in answers]
+    instance = answers[0].run_instance
+    assert len(instance) == 16 and answers[1].run_instance == instance
     cluster.stop_all()
     cluster.procs.clear()
     cluster.start_coordinator([*TINY_RUN, "--learners", "3", "--max-seconds", "600"])
@@ -130,6 +133,21 @@ def test_state_survives_a_coordinator_restart(coordinator):
     beat = stub2.Heartbeat(coordinator_pb2.HeartbeatRequest(run_id="run", learner_id=ids[0], instance_token="process-0"),
                            timeout=5)
     assert beat.outer_registrations == 1, "the count of outer registrations is persisted too"
+    # the same run: a learner restarted now takes back the AdamW state it kept (inner_state)
+    assert register(stub2, token="process-2").run_instance == instance
+
+
+def test_a_new_run_of_the_same_id_is_another_run_instance(tmp_path):
+    """Runs share ids ("run" unless named): a learner's saved AdamW state is keyed by the
+    run instance, which a coordinator draws when its run starts afresh."""
+    from coord_helpers import announce_outer, running_coordinator
+
+    instances = []
+    for folder in ("first", "second"):
+        with running_coordinator(tmp_path / folder) as (_, stub):
+            announce_outer(stub)
+            instances.append(register(stub).run_instance)
+    assert instances[0] != instances[1] and all(len(i) == 16 for i in instances)
 
 
 def test_the_cli_serves_on_the_fixed_port_it_is_given(tmp_path):

@@ -138,6 +138,25 @@ def test_another_runs_state_is_ignored(saved, caplog):
     _refused(*saved, caplog, "it is run 'run-a''s, this run is 'run-b'", run="run-b")
 
 
+def test_an_earlier_run_of_the_same_id_is_ignored(tmp_path, caplog):
+    """Run ids are names users reuse ("run" by default): the coordinator's run instance tells
+    runs apart. Restored, an earlier run's state started the new run past its warm-up."""
+    names, params = _model()
+    opt = _adamw(params)
+    _train(params, opt, 3, seed=1)
+    path = inner_state.path_for(tmp_path, 1)
+    inner_state.save(path, RUN, 1, names, params, opt, schedule_step=3, run_instance="aaaa")
+    fresh = _adamw(params)
+    with caplog.at_level(logging.WARNING, logger="ddiloco.learner.inner_state"):
+        assert inner_state.restore(path, RUN, 1, names, params, fresh, run_instance="bbbb") is None
+    assert not fresh.state
+    assert "it is an earlier run's of the same id 'run-a' (run instance 'aaaa', this run is 'bbbb')" in caplog.text
+    # the same run (a restart, --resume) takes it back; so does a file written before run
+    # instances, or a coordinator that does not send one
+    assert inner_state.restore(path, RUN, 1, names, params, _adamw(params), run_instance="aaaa").adam_step == 3
+    assert inner_state.restore(path, RUN, 1, names, params, _adamw(params), run_instance="").adam_step == 3
+
+
 def test_another_learners_state_is_ignored(saved, caplog):
     _refused(*saved, caplog, "it is learner 1's, this is learner 2", learner=2)
 

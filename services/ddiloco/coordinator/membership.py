@@ -87,6 +87,8 @@ import json
 import logging
 import math
 import pathlib
+import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -135,6 +137,8 @@ MAX_ADDRESS_CHARS = 255  # HOST:PORT; a DNS name is at most 253 characters
 MAX_DATACENTER_CHARS = 64
 INT32_MAX = (1 << 31) - 1  # incarnations and learner ids are int32 on the wire
 
+
+RUN_INSTANCE = re.compile(r"[0-9a-f]{1,64}")
 
 class StateFileError(ValueError):
     """The saved state cannot be trusted (the module docstring): the coordinator does not start."""
@@ -200,6 +204,9 @@ class Membership:
         # the outer optimizer's final answers (``CoordinatorService``'s, as JSON), saved with
         # FINISHED: a coordinator restarted before its report was written writes it from them
         self.final: dict | None = None
+        # this run, as distinct from earlier runs of the same id (RegisterResponse.run_instance):
+        # drawn at a fresh start, restored with the state (a restart, --resume)
+        self.run_instance = secrets.token_hex(8)
         self._bounds: Bounds | None = None  # from the workload, with the signature
         self._workload = None  # loaded to check a state file's statistics; the signature's build takes it
         self.max_ids = max_learner_ids(config)
@@ -574,6 +581,7 @@ class Membership:
                 "state": state,
                 "outer_shards": self.outer_shards,
                 "outer_registrations": self.outer_registrations,
+                "run_instance": self.run_instance,
                 "elapsed": elapsed,
                 "members": [
                     {
@@ -611,6 +619,10 @@ class Membership:
         registrations = doc.get("outer_registrations", 0)
         if not _is_count(registrations):  # an int64 in every HeartbeatResponse
             raise bad(f"outer_registrations {str(registrations)[:40]} is not a count from 0 to 2^63-1 (int64)")
+        # absent from a state saved before it: this process's own draw stands for the run
+        instance = doc.get("run_instance", self.run_instance)
+        if not (isinstance(instance, str) and RUN_INSTANCE.fullmatch(instance)):
+            raise bad(f"run_instance {str(instance)[:40]!r} is not a run instance (1 to 64 hex digits)")
         members: dict[int, MemberRecord] = {}
         for m in doc["members"]:
             rec = _member(m, bad)
@@ -627,6 +639,7 @@ class Membership:
             self._bounds = bounds  # the run's, from its workload: the signature's build finds the same
         self.outer_shards = list(shards)
         self.outer_registrations = registrations
+        self.run_instance = instance
         self.elapsed_before = float(doc["elapsed"])
         self.final = doc.get("final")
         if self.state in (coordinator_pb2.RUN_STATE_RUNNING, coordinator_pb2.RUN_STATE_DRAINING):

@@ -103,6 +103,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             # interval at 10 ms; this holds for a configuration that bypassed the rules too)
             heartbeat_ms=max(1, round(cfg.heartbeat_interval_s * 1000)),
             incarnation=rec.incarnation,
+            run_instance=svc.members.run_instance,
         )
 
     def Heartbeat(self, request, context):

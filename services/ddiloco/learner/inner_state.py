@@ -71,7 +71,7 @@ class Snapshot:
 
 
 def snapshot(run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
-             optimizer: torch.optim.Optimizer, schedule_step: int) -> Snapshot | None:
+             optimizer: torch.optim.Optimizer, schedule_step: int, run_instance: str = "") -> Snapshot | None:
     """A copy of the state as it is now (None before AdamW's first step: nothing to keep).
     A parameter AdamW holds nothing for (frozen, or on a path no batch has taken) is listed
     in the header as such: a workload with one must not go without its state for good."""
@@ -92,6 +92,7 @@ def snapshot(run_id: str, learner_id: int, names: list[str], params: list[torch.
     meta = {
         "format": str(FORMAT),
         "run_id": run_id,
+        "run_instance": run_instance,
         "learner_id": str(learner_id),
         "adam_step": str(max(steps)),
         "schedule_step": str(schedule_step),
@@ -112,9 +113,9 @@ def write(path: pathlib.Path, snap: Snapshot) -> None:
 
 
 def save(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
-         optimizer: torch.optim.Optimizer, schedule_step: int) -> bool:
+         optimizer: torch.optim.Optimizer, schedule_step: int, run_instance: str = "") -> bool:
     """Snapshot and write at once (False, and nothing written, before AdamW's first step)."""
-    snap = snapshot(run_id, learner_id, names, params, optimizer, schedule_step)
+    snap = snapshot(run_id, learner_id, names, params, optimizer, schedule_step, run_instance)
     if snap is None:
         return False
     write(path, snap)
@@ -233,14 +234,21 @@ _BOUND_RTOL, _BOUND_ATOL = 1e-3, 1e-12
 
 
 def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, learner_id: int,
-          names: list[str], params: list[torch.Tensor], betas: tuple[float, float] = (0.9, 0.999)) -> Restored:
+          names: list[str], params: list[torch.Tensor], betas: tuple[float, float] = (0.9, 0.999),
+          run_instance: str = "") -> Restored:
     """Whether the file's contents are this learner's state in this run, for this model, and
     a state AdamW of ``betas`` can hold (``first_moment_bound``). Raises ``StaleState``
-    saying why not."""
+    saying why not. ``run_instance``: the coordinator's token of this run (empty: unknown,
+    or a file written before it: the run id decides)."""
     if meta.get("format") != str(FORMAT):
         raise StaleState(f"format {meta.get('format')!r}, this version writes {FORMAT}")
     if meta.get("run_id") != run_id:
         raise StaleState(f"it is run {meta.get('run_id')!r}'s, this run is {run_id!r}")
+    if run_instance and meta.get("run_instance") and meta["run_instance"] != run_instance:
+        # the same run id, another run: its moments and warm-up place would start this run's
+        # optimizer past its warm-up, on moments of another model's history
+        raise StaleState(f"it is an earlier run's of the same id {run_id!r} (run instance {meta['run_instance'][:32]!r}, "
+                         f"this run is {run_instance!r})")
     if meta.get("learner_id") != str(learner_id):
         raise StaleState(f"it is learner {meta.get('learner_id')}'s, this is learner {learner_id}")
     if meta.get("model") != json.dumps(_signature(names, params)):
@@ -286,7 +294,7 @@ def check(meta: dict[str, str], tensors: dict[str, torch.Tensor], run_id: str, l
 
 
 def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], params: list[torch.Tensor],
-            optimizer: torch.optim.Optimizer) -> Restored | None:
+            optimizer: torch.optim.Optimizer, run_instance: str = "") -> Restored | None:
     """Load the state into ``optimizer`` (an AdamW over ``params`` with no state yet) if the
     file is there and is this learner's; else None, with the reason logged."""
     path = pathlib.Path(path)
@@ -296,7 +304,7 @@ def restore(path: pathlib.Path, run_id: str, learner_id: int, names: list[str], 
         # two float32 moments per parameter value, and a header of names and shapes
         meta, tensors = _read(path, 8 * sum(p.numel() for p in params) + (1 << 20) + 64 * len(params))
         betas = tuple(optimizer.param_groups[0].get("betas", (0.9, 0.999)))
-        restored = check(meta, tensors, run_id, learner_id, names, params, betas)
+        restored = check(meta, tensors, run_id, learner_id, names, params, betas, run_instance)
     except (StaleState, OSError) as exc:
         log.warning("inner state %s not restored, starting afresh: %s", path, exc)
         return None

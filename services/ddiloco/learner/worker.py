@@ -121,6 +121,7 @@ class Learner:
         self.phase = "starting"
         self.train_started: float | None = None  # monotonic time the training loop began
         self.run_id = ""
+        self.run_instance = ""  # the coordinator's token of this run (RegisterResponse.run_instance)
         self.learner_id = -1
         self.drain = threading.Event()
         self.stop_event = threading.Event()
@@ -230,6 +231,7 @@ class Learner:
         self.ranks = self.options.ranks or self.config.learner.ranks
         self.heartbeat_s = resp.heartbeat_ms / 1000
         self.incarnation = resp.incarnation
+        self.run_instance = resp.run_instance  # keys the saved AdamW state (inner_state)
         self._set_outer(list(resp.outer_shards) or [resp.outer_address])
 
     def _register_call(self, req: coordinator_pb2.RegisterRequest) -> coordinator_pb2.RegisterResponse:
@@ -503,7 +505,7 @@ class Learner:
         self.keeper = inner_state.Keeper(path, on_unsaved=lambda exc: self.metrics.event(
             "inner_state_unsaved", learner=self.learner_id, error=str(exc)))
         restored = inner_state.restore(path, self.config.run_id, self.learner_id, self.names, self.params,
-                                       self.optimizer)
+                                       self.optimizer, self.run_instance)
         if restored is not None:
             self.schedule_offset = restored.schedule_step
             self.adam_step_restored = restored.adam_step
@@ -637,7 +639,7 @@ class Learner:
         the keeper (written on its own thread), if this learner keeps them."""
         if self.keeper is not None:
             self.keeper.offer(inner_state.snapshot(self.config.run_id, self.learner_id, self.names, self.params,
-                                                   self.optimizer, self.schedule_offset + step))
+                                                   self.optimizer, self.schedule_offset + step, self.run_instance))
 
     @torch.no_grad()
     def _end_window(self, fragment: int, steps: int, tokens: int, mean_loss: float, compute_seconds: float) -> None:

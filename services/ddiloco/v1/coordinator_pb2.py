@@ -25,43 +25,43 @@ _sym_db = _symbol_database.Default()
 from ddiloco.v1 import common_pb2 as ddiloco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x64iloco/v1/coordinator.proto\x12\nddiloco.v1\x1a\x17\x64\x64iloco/v1/common.proto\"\xc6\x01\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ndatacenter\x18\x03 \x01(\t\x12\x1c\n\x14requested_learner_id\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0einstance_token\x18\x06 \x01(\t\x12\r\n\x05ranks\x18\x08 \x01(\x05\x12)\n\x05model\x18\x07 \x01(\x0b\x32\x1a.ddiloco.v1.ModelSignature\"t\n\x0eModelSignature\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.ddiloco.v1.TensorSpec\x12\x12\n\nparameters\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x15\n\rvalues_sha256\x18\x04 \x01(\t\"\xde\x01\n\x10RegisterResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x15\n\router_address\x18\x06 \x01(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\x03\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03\x12\x14\n\x0couter_shards\x18\t \x03(\t\x12\x13\n\x0bincarnation\x18\n \x01(\x05\"w\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\x12\x16\n\x0einstance_token\x18\x04 \x01(\t\"\x94\x01\n\x11HeartbeatResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.ddiloco.v1.RunState\x12\x15\n\router_address\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x03\x12\x14\n\x0couter_shards\x18\x04 \x03(\t\x12\x1b\n\x13outer_registrations\x18\x05 \x01(\x03\"\x83\x01\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0einstance_token\x18\x05 \x01(\t\"\x0f\n\rLeaveResponse\"\x15\n\x13GetRunConfigRequest\"]\n\x11RunConfigResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.ddiloco.v1.RunState\"\x16\n\x14GetMembershipRequest\"\xcd\x01\n\x06Member\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ndatacenter\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0c\n\x04left\x18\x05 \x01(\x08\x12\x1a\n\x12ms_since_heartbeat\x18\x06 \x01(\x03\x12\x13\n\x0bshard_index\x18\x07 \x01(\x05\x12\x13\n\x0bincarnation\x18\x08 \x01(\x05\x12\'\n\x05stats\x18\t \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\"\xac\x01\n\nMembership\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.ddiloco.v1.RunState\x12\x15\n\router_address\x18\x03 \x01(\t\x12#\n\x07members\x18\x04 \x03(\x0b\x32\x12.ddiloco.v1.Member\x12\x17\n\x0f\x65lapsed_seconds\x18\x05 \x01(\x01\x12\x14\n\x0couter_shards\x18\x06 \x03(\t\"V\n\x16RegisterServiceRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05shard\x18\x04 \x01(\x05\"N\n\x17RegisterServiceResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.ddiloco.v1.RunState*\x83\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_WAITING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_DRAINING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x32\xd3\x03\n\x0b\x43oordinator\x12\x45\n\x08Register\x12\x1b.ddiloco.v1.RegisterRequest\x1a\x1c.ddiloco.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.ddiloco.v1.HeartbeatRequest\x1a\x1d.ddiloco.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.ddiloco.v1.LeaveRequest\x1a\x19.ddiloco.v1.LeaveResponse\x12N\n\x0cGetRunConfig\x12\x1f.ddiloco.v1.GetRunConfigRequest\x1a\x1d.ddiloco.v1.RunConfigResponse\x12I\n\rGetMembership\x12 .ddiloco.v1.GetMembershipRequest\x1a\x16.ddiloco.v1.Membership\x12Z\n\x0fRegisterService\x12\".ddiloco.v1.RegisterServiceRequest\x1a#.ddiloco.v1.RegisterServiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64\x64iloco/v1/coordinator.proto\x12\nddiloco.v1\x1a\x17\x64\x64iloco/v1/common.proto\"\xc6\x01\n\x0fRegisterRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ndatacenter\x18\x03 \x01(\t\x12\x1c\n\x14requested_learner_id\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x16\n\x0einstance_token\x18\x06 \x01(\t\x12\r\n\x05ranks\x18\x08 \x01(\x05\x12)\n\x05model\x18\x07 \x01(\x0b\x32\x1a.ddiloco.v1.ModelSignature\"t\n\x0eModelSignature\x12\'\n\x07tensors\x18\x01 \x03(\x0b\x32\x16.ddiloco.v1.TensorSpec\x12\x12\n\nparameters\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x15\n\rvalues_sha256\x18\x04 \x01(\t\"\xf4\x01\n\x10RegisterResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\x13\n\x0bshard_index\x18\x03 \x01(\x05\x12\x12\n\nnum_shards\x18\x04 \x01(\x05\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x15\n\router_address\x18\x06 \x01(\t\x12\x10\n\x08lease_ms\x18\x07 \x01(\x03\x12\x14\n\x0cheartbeat_ms\x18\x08 \x01(\x03\x12\x14\n\x0couter_shards\x18\t \x03(\t\x12\x13\n\x0bincarnation\x18\n \x01(\x05\x12\x14\n\x0crun_instance\x18\x0b \x01(\t\"w\n\x10HeartbeatRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\x12\x16\n\x0einstance_token\x18\x04 \x01(\t\"\x94\x01\n\x11HeartbeatResponse\x12#\n\x05state\x18\x01 \x01(\x0e\x32\x14.ddiloco.v1.RunState\x12\x15\n\router_address\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\x03\x12\x14\n\x0couter_shards\x18\x04 \x03(\t\x12\x1b\n\x13outer_registrations\x18\x05 \x01(\x03\"\x83\x01\n\x0cLeaveRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\nlearner_id\x18\x02 \x01(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0einstance_token\x18\x05 \x01(\t\"\x0f\n\rLeaveResponse\"\x15\n\x13GetRunConfigRequest\"]\n\x11RunConfigResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.ddiloco.v1.RunState\"\x16\n\x14GetMembershipRequest\"\xcd\x01\n\x06Member\x12\x12\n\nlearner_id\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ndatacenter\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x0c\n\x04left\x18\x05 \x01(\x08\x12\x1a\n\x12ms_since_heartbeat\x18\x06 \x01(\x03\x12\x13\n\x0bshard_index\x18\x07 \x01(\x05\x12\x13\n\x0bincarnation\x18\x08 \x01(\x05\x12\'\n\x05stats\x18\t \x01(\x0b\x32\x18.ddiloco.v1.LearnerStats\"\xac\x01\n\nMembership\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.ddiloco.v1.RunState\x12\x15\n\router_address\x18\x03 \x01(\t\x12#\n\x07members\x18\x04 \x03(\x0b\x32\x12.ddiloco.v1.Member\x12\x17\n\x0f\x65lapsed_seconds\x18\x05 \x01(\x01\x12\x14\n\x0couter_shards\x18\x06 \x03(\t\"V\n\x16RegisterServiceRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05shard\x18\x04 \x01(\x05\"N\n\x17RegisterServiceResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.ddiloco.v1.RunState*\x83\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_WAITING\x10\x01\x12\x15\n\x11RUN_STATE_RUNNING\x10\x02\x12\x16\n\x12RUN_STATE_DRAINING\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x32\xd3\x03\n\x0b\x43oordinator\x12\x45\n\x08Register\x12\x1b.ddiloco.v1.RegisterRequest\x1a\x1c.ddiloco.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.ddiloco.v1.HeartbeatRequest\x1a\x1d.ddiloco.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.ddiloco.v1.LeaveRequest\x1a\x19.ddiloco.v1.LeaveResponse\x12N\n\x0cGetRunConfig\x12\x1f.ddiloco.v1.GetRunConfigRequest\x1a\x1d.ddiloco.v1.RunConfigResponse\x12I\n\rGetMembership\x12 .ddiloco.v1.GetMembershipRequest\x1a\x16.ddiloco.v1.Membership\x12Z\n\x0fRegisterService\x12\".ddiloco.v1.RegisterServiceRequest\x1a#.ddiloco.v1.RegisterServiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddiloco.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNSTATE']._serialized_start=1730
-  _globals['_RUNSTATE']._serialized_end=1861
+  _globals['_RUNSTATE']._serialized_start=1752
+  _globals['_RUNSTATE']._serialized_end=1883
   _globals['_REGISTERREQUEST']._serialized_start=70
   _globals['_REGISTERREQUEST']._serialized_end=268
   _globals['_MODELSIGNATURE']._serialized_start=270
   _globals['_MODELSIGNATURE']._serialized_end=386
   _globals['_REGISTERRESPONSE']._serialized_start=389
-  _globals['_REGISTERRESPONSE']._serialized_end=611
-  _globals['_HEARTBEATREQUEST']._serialized_start=613
-  _globals['_HEARTBEATREQUEST']._serialized_end=732
-  _globals['_HEARTBEATRESPONSE']._serialized_start=735
-  _globals['_HEARTBEATRESPONSE']._serialized_end=883
-  _globals['_LEAVEREQUEST']._serialized_start=886
-  _globals['_LEAVEREQUEST']._serialized_end=1017
-  _globals['_LEAVERESPONSE']._serialized_start=1019
-  _globals['_LEAVERESPONSE']._serialized_end=1034
-  _globals['_GETRUNCONFIGREQUEST']._serialized_start=1036
-  _globals['_GETRUNCONFIGREQUEST']._serialized_end=1057
-  _globals['_RUNCONFIGRESPONSE']._serialized_start=1059
-  _globals['_RUNCONFIGRESPONSE']._serialized_end=1152
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1154
-  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1176
-  _globals['_MEMBER']._serialized_start=1179
-  _globals['_MEMBER']._serialized_end=1384
-  _globals['_MEMBERSHIP']._serialized_start=1387
-  _globals['_MEMBERSHIP']._serialized_end=1559
-  _globals['_REGISTERSERVICEREQUEST']._serialized_start=1561
-  _globals['_REGISTERSERVICEREQUEST']._serialized_end=1647
-  _globals['_REGISTERSERVICERESPONSE']._serialized_start=1649
-  _globals['_REGISTERSERVICERESPONSE']._serialized_end=1727
-  _globals['_COORDINATOR']._serialized_start=1864
-  _globals['_COORDINATOR']._serialized_end=2331
+  _globals['_REGISTERRESPONSE']._serialized_end=633
+  _globals['_HEARTBEATREQUEST']._serialized_start=635
+  _globals['_HEARTBEATREQUEST']._serialized_end=754
+  _globals['_HEARTBEATRESPONSE']._serialized_start=757
+  _globals['_HEARTBEATRESPONSE']._serialized_end=905
+  _globals['_LEAVEREQUEST']._serialized_start=908
+  _globals['_LEAVEREQUEST']._serialized_end=1039
+  _globals['_LEAVERESPONSE']._serialized_start=1041
+  _globals['_LEAVERESPONSE']._serialized_end=1056
+  _globals['_GETRUNCONFIGREQUEST']._serialized_start=1058
+  _globals['_GETRUNCONFIGREQUEST']._serialized_end=1079
+  _globals['_RUNCONFIGRESPONSE']._serialized_start=1081
+  _globals['_RUNCONFIGRESPONSE']._serialized_end=1174
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_start=1176
+  _globals['_GETMEMBERSHIPREQUEST']._serialized_end=1198
+  _globals['_MEMBER']._serialized_start=1201
+  _globals['_MEMBER']._serialized_end=1406
+  _globals['_MEMBERSHIP']._serialized_start=1409
+  _globals['_MEMBERSHIP']._serialized_end=1581
+  _globals['_REGISTERSERVICEREQUEST']._serialized_start=1583
+  _globals['_REGISTERSERVICEREQUEST']._serialized_end=1669
+  _globals['_REGISTERSERVICERESPONSE']._serialized_start=1671
+  _globals['_REGISTERSERVICERESPONSE']._serialized_end=1749
+  _globals['_COORDINATOR']._serialized_start=1886
+  _globals['_COORDINATOR']._serialized_end=2353
 # @@protoc_insertion_point(module_scope)

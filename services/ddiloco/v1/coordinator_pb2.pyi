@@ -54,7 +54,7 @@ class ModelSignature(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ..., parameters: _Optional[int] = ..., sha256: _Optional[str] = ..., values_sha256: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms", "outer_shards", "incarnation")
+    __slots__ = ("run_id", "learner_id", "shard_index", "num_shards", "config_json", "outer_address", "lease_ms", "heartbeat_ms", "outer_shards", "incarnation", "run_instance")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class RegisterResponse(_message.Message):
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     OUTER_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     learner_id: int
     shard_index: int
@@ -75,7 +76,8 @@ class RegisterResponse(_message.Message):
     heartbeat_ms: int
     outer_shards: _containers.RepeatedScalarFieldContainer[str]
     incarnation: int
-    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    run_instance: str
+    def __init__(self, run_id: _Optional[str] = ..., learner_id: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., config_json: _Optional[str] = ..., outer_address: _Optional[str] = ..., lease_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., outer_shards: _Optional[_Iterable[str]] = ..., incarnation: _Optional[int] = ..., run_instance: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("run_id", "learner_id", "stats", "instance_token")
