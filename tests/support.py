@@ -229,6 +229,20 @@ def connect(port: int, source: str = "127.0.0.1"):
     return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
 
 
+def http_answer(port: int, path: str, source: str | None = None) -> tuple[int, str | None]:
+    """(status, Retry-After) of one GET of ``path`` at 127.0.0.1:``port``, from the address
+    ``source`` (default: the system's choice)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5, source_address=(source, 0) if source else None)
+    try:
+        conn.request("GET", path)
+        answer = conn.getresponse()
+        return answer.status, answer.getheader("Retry-After")
+    finally:
+        conn.close()
+
+
 def cli_refused(tmp_path: pathlib.Path, argv: list[str], env: dict | None = None) -> str:
     """Run ``ddiloco ARGV`` in ``tmp_path`` and return its one line of error: it must exit 2
     with that one line, no traceback, and nothing created in ``tmp_path`` (refused before

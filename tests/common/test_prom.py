@@ -12,7 +12,7 @@ import pytest
 
 from ddiloco.common.metrics import MetricsLog
 from ddiloco.common.prom import host_of, start_exporter
-from support import closed_within, connect
+from support import closed_within, connect, http_answer
 
 
 def test_port_0_means_off_and_events_cost_nothing_more():
@@ -159,8 +159,6 @@ def test_requests_over_a_clients_share_are_answered_503_and_others_are_still_ans
     test_prom_admission.py); one over it is answered ``503`` with ``Retry-After`` (it was
     closed without an answer, which a scraper records as a network error), while another
     client's scrape is answered meanwhile."""
-    import http.client
-
     from ddiloco.common.prom import Exporter, HTTPBounds
     from support import wait_until
 
@@ -171,15 +169,8 @@ def test_requests_over_a_clients_share_are_answered_503_and_others_are_still_ans
     try:
         busy = [_request(exporter.port) for _ in range(2)]
         wait_until(lambda: exporter.server.open_connections() == 2, 5, "two scrapes in their answer")
-        over = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
-        over.request("GET", "/metrics")
-        answer = over.getresponse()
-        assert (answer.status, answer.getheader("Retry-After")) == (503, "1")
-        over.close()
-        scrape = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5, source_address=("127.0.0.2", 0))
-        scrape.request("GET", "/metrics")
-        assert scrape.getresponse().status == 200
-        scrape.close()
+        assert http_answer(exporter.port, "/metrics") == (503, "1")
+        assert http_answer(exporter.port, "/metrics", source="127.0.0.2")[0] == 200  # another client still is
     finally:
         held.release.set()
         for s in busy:

@@ -107,6 +107,25 @@ def fill_disk(folder: pathlib.Path) -> pathlib.Path:
     return filler
 
 
+def refused_state_file(run_dir: pathlib.Path, flags: list[str]) -> str:
+    """The last line of ``ddiloco coordinator`` started on ``run_dir``, whose saved state it
+    must refuse: exit 1, no traceback, the line naming the state file as unusable."""
+    import subprocess
+    import sys
+
+    state = pathlib.Path(run_dir) / "coordinator" / "state.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "coordinator", "--bind", "127.0.0.1:0", *flags, "--run-dir", str(run_dir),
+         "--insecure", "--exit-when-finished"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ddiloco coordinator: cannot start: coordinator state {state} is unusable"), last
+    return last
+
+
 def events(run_dir: pathlib.Path, kind: str) -> list[dict]:
     """The run's ``metrics.jsonl`` events of ``kind``."""
     path = pathlib.Path(run_dir) / "metrics.jsonl"

@@ -5,7 +5,6 @@ answered 503, while other clients are still answered."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import urllib.request
 
@@ -13,7 +12,7 @@ import pytest
 
 from ddiloco.common.prom import HTTPBounds
 from ddiloco.coordinator.status_page import StatusPage
-from support import closed_within, connect
+from support import closed_within, connect, http_answer
 
 
 @pytest.fixture
@@ -54,15 +53,8 @@ def test_requests_over_a_clients_share_are_answered_503_and_the_page_still_answe
             busy.append(connect(p.port))
             busy[-1].sendall(b"GET /status.json HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
         wait_until(lambda: p.server.open_connections() == 2, 5, "two requests in their answer")
-        over = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5)
-        over.request("GET", "/status.json")
-        answer = over.getresponse()
-        assert (answer.status, answer.getheader("Retry-After")) == (503, "1")
-        over.close()
-        browser = http.client.HTTPConnection("127.0.0.1", p.port, timeout=5, source_address=("127.0.0.2", 0))
-        browser.request("GET", "/")
-        assert browser.getresponse().status == 200
-        browser.close()
+        assert http_answer(p.port, "/status.json") == (503, "1")
+        assert http_answer(p.port, "/", source="127.0.0.2")[0] == 200  # another client still is
     finally:
         release.set()
         for s in busy:

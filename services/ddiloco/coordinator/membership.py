@@ -478,10 +478,9 @@ class Membership:
                 if over_time or over_tokens:
                     self.state = coordinator_pb2.RUN_STATE_DRAINING
                     self.drain_started = self.clock()
-                    fields = {"elapsed": round(self.elapsed(), 2), "tokens": self.tokens()}
-                    if confirmed is not None:
-                        fields["tokens_confirmed"] = confirmed
-                    events.append(("draining", fields))
+                    # tokens_confirmed: None when the outer optimizer was not asked (a time budget)
+                    events.append(("draining", {"elapsed": round(self.elapsed(), 2), "tokens": self.tokens(),
+                                                "tokens_confirmed": confirmed}))
         return events
 
     def drained(self) -> bool:

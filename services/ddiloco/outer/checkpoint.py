@@ -185,22 +185,22 @@ def _int(value: object, where: str) -> int:
     return value
 
 
-def _str(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise BadState(f"{where} is {_show(value)}, not a string")
+def _typed(value, kind: type, noun: str, where: str):
+    if not isinstance(value, kind):
+        raise BadState(f"{where} is {_show(value)}, not {noun}")
     return value
+
+
+def _str(value: object, where: str) -> str:
+    return _typed(value, str, "a string", where)
 
 
 def _obj(value: object, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise BadState(f"{where} is {_show(value)}, not an object")
-    return value
+    return _typed(value, dict, "an object", where)
 
 
 def _list(value: object, where: str) -> list:
-    if not isinstance(value, list):
-        raise BadState(f"{where} is {_show(value)}, not a list")
-    return value
+    return _typed(value, list, "a list", where)
 
 
 def _field(obj: dict, key: str, where: str) -> object:
