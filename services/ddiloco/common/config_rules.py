@@ -9,6 +9,7 @@ the value came from a flag, an environment variable or a ``--config`` file.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 from ddiloco.common.config import MAX_BLOCK_SIZE, RunConfig, block_size_ok
@@ -29,6 +30,29 @@ MAX_FRAGMENTS = 1024
 # would have every upload refused by the client's own channel.
 MAX_CHUNK_BYTES = 8 << 20
 MAX_HEADER_BYTES = 1 << 20  # a header's tensor specs: about 10,000 tensors in one fragment
+# One gRPC message: a chunk of the largest size a run may set, a header beside it, and the
+# protobuf framing of the two (a tag and a length of at most 5 bytes each: without them a
+# header of the largest size beside a chunk of the largest size was refused by the sender's
+# own channel, RESOURCE_EXHAUSTED, which a learner retries for ever). It bounds what one
+# message of a misbehaving peer can make a receiver hold (common/rpc.py).
+MESSAGE_FRAMING_BYTES = 16
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MAX_HEADER_BYTES + MESSAGE_FRAMING_BYTES
+# The run's membership (GetMembership) and each outer shard's status (GetStatus) travel in
+# one message each and grow with the learner ids (2M) and the fragments a shard holds: a
+# configuration whose worst case does not fit could not be watched, resumed or finished.
+# Worst cases in serialized bytes (every number at its largest, every string at its longest
+# in 4-byte characters), held to by tests/common/test_message_bounds.py:
+MEMBER_BYTES = 1442  # a Member in Membership.members
+SHARD_ADDRESS_BYTES = 1024  # an outer shard's address in Membership.outer_shards
+LEARNER_STATUS_BYTES = 101  # a LearnerMergeStats in OuterStatus.learners, without answered_tokens
+LEARNER_FRAGMENT_BYTES = 70  # per (learner id, fragment): answered_tokens, merged_by_learner, lead_seconds entries
+FRAGMENT_STATUS_BYTES = 46  # a FragmentStatus without its per-learner maps
+MESSAGE_BASE_BYTES = 2048  # the rest of either message, the run id aside
+# A run id names the run in every message and file (4 bytes a character at most); the
+# characters are those of a file name or a label, never empty (an empty run id reads as
+# "none given": every pull of such a run was refused)
+MAX_RUN_ID_CHARS = 160
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
 # Every interval of a run (heartbeat, lease, drain, polls, evaluation, grace) ends up in a
 # threading wait, which raises OverflowError beyond threading.TIMEOUT_MAX (about 292 years)
 # and kills the service. 30 days is far beyond any interval a run could want and far below
@@ -122,9 +146,22 @@ def value_at(cfg: RunConfig, path: str):
     return target
 
 
+def largest_messages(cfg: RunConfig) -> tuple[int, int]:
+    """(the membership's, one outer shard's status's) worst-case size in bytes for ``cfg``."""
+    ids = 2 * cfg.learners  # coordinator/membership.max_learner_ids
+    per_shard = math.ceil(cfg.fragments / max(1, cfg.outer_shards))
+    base = MESSAGE_BASE_BYTES + 4 * len(cfg.run_id)
+    membership = base + ids * MEMBER_BYTES + cfg.outer_shards * SHARD_ADDRESS_BYTES
+    status = base + ids * LEARNER_STATUS_BYTES + per_shard * FRAGMENT_STATUS_BYTES + ids * per_shard * LEARNER_FRAGMENT_BYTES
+    return membership, status
+
+
 def problems(cfg: RunConfig) -> list[str]:
     """One message per value the run cannot use (empty: the configuration is usable)."""
     out = []
+    if not (isinstance(cfg.run_id, str) and len(cfg.run_id) <= MAX_RUN_ID_CHARS and RUN_ID.fullmatch(cfg.run_id)):
+        out.append(f"--run-id must be 1 to {MAX_RUN_ID_CHARS} letters, digits or ._:- (starting with a letter or "
+                   f"digit), got {str(cfg.run_id)[:40]!r}")
     for path, flag, ok, allowed in RULES:
         value = value_at(cfg, path)
         if not ok(value):
@@ -145,6 +182,12 @@ def problems(cfg: RunConfig) -> list[str]:
             # synchronous learners wait for every merge: a paced transfer is time they stand idle
             out.append("--pace-transfers cannot be used with --sync: synchronous learners wait for every merge, "
                        "so a paced transfer is time they stand idle")
+        membership, status = largest_messages(cfg)
+        if max(membership, status) > MAX_MESSAGE_BYTES:
+            which = "its membership" if membership >= status else "an outer shard's status"
+            out.append(f"--learners {cfg.learners} with --fragments {cfg.fragments} over --outer-shards "
+                       f"{cfg.outer_shards}: {which} could reach {max(membership, status):,} bytes, more than one "
+                       f"message carries ({MAX_MESSAGE_BYTES:,}); use fewer learners, fewer fragments or more outer shards")
         if cfg.lease_timeout_s <= cfg.heartbeat_interval_s:
             out.append(f"--lease-timeout ({cfg.lease_timeout_s}) must be longer than the heartbeat interval "
                        f"({cfg.heartbeat_interval_s})")

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from ddiloco.common import auth, errors
-from ddiloco.common.config_rules import MAX_CHUNK_BYTES, MAX_HEADER_BYTES
+from ddiloco.common.config_rules import MAX_MESSAGE_BYTES
 from ddiloco.common.security import Security
 from ddiloco.common.slots import Release, Slots
 
@@ -82,13 +82,8 @@ def call_ended(context, within_s: float) -> bool:
     return ended.wait(within_s)
 
 
-# One message: a chunk of the largest size a run may set, a header beside it, and the
-# protobuf framing of the two (a tag and a length of at most 5 bytes each: without them a
-# header of the largest size beside a chunk of the largest size was refused by the sender's
-# own channel, RESOURCE_EXHAUSTED, which a learner retries for ever). It bounds what one
-# message of a misbehaving peer can make a receiver hold.
-MESSAGE_FRAMING_BYTES = 16
-MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + MAX_HEADER_BYTES + MESSAGE_FRAMING_BYTES
+# One message at most MAX_MESSAGE_BYTES (common/config_rules.py, which also holds the run's
+# membership and statuses to it).
 
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),

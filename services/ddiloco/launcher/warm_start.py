@@ -40,6 +40,8 @@ class Plan:
     tokens: int  # their weight: the phase's token budget
 
 
+PHASE_SUFFIX = "-warm-start"  # the phase's run id: the run's, with this after it
+
 def plan(config: RunConfig, steps: int, step_weight: int) -> Plan:
     """The phase for ``steps`` requested inner steps, rounded up to whole windows of H (a
     window cut short would be applied at a fraction of its length, not in full); raises
@@ -47,6 +49,11 @@ def plan(config: RunConfig, steps: int, step_weight: int) -> Plan:
     one inner step (``Workload.step_weight``)."""
     if steps < 1:
         raise WarmStartError(f"--warm-start-steps must be at least 1, got {steps}")
+    from ddiloco.common.config_rules import MAX_RUN_ID_CHARS
+
+    if len(config.run_id) + len(PHASE_SUFFIX) > MAX_RUN_ID_CHARS:  # the phase is a run of its own id
+        raise WarmStartError(f"--warm-start-steps names its phase run {config.run_id!r}{PHASE_SUFFIX}: give a --run-id of "
+                             f"at most {MAX_RUN_ID_CHARS - len(PHASE_SUFFIX)} characters")
     if config.init_from:
         raise WarmStartError("--warm-start-steps trains the run's starting model; --init-from already names one")
     h = config.learner.inner_steps
@@ -64,7 +71,7 @@ def phase_flags(run_flags: list[str], config: RunConfig, plan_: Plan) -> list[st
     """The phase's run flags: the run's, then what makes it one learner's serial training
     (later flags win)."""
     return run_flags + [
-        "--run-id", f"{config.run_id}-warm-start",
+        "--run-id", f"{config.run_id}{PHASE_SUFFIX}",
         "--learners", "1", "--sync", "--quorum", "1", "--fragments", "1", "--outer-shards", "1",
         "--codec", "fp32", "--merge-rule", "weighted", "--outer-lr", "1", "--outer-momentum", "0",
         "--max-tokens", str(plan_.tokens),
