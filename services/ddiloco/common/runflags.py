@@ -14,7 +14,7 @@ from ddiloco.common.config import CODECS, MERGE_RULES, MODEL_PRESETS, RunConfig
 
 # (flag, dest path in RunConfig, type, help)
 _FLAGS: list[tuple[str, str, type, str]] = [
-    ("--run-id", "run_id", str, "run identifier"),
+    ("--run-id", "run_id", str, "run identifier: 1 to 160 letters, digits or ._:- (default run)"),
     ("--learners", "learners", int, "M: number of learners (and data shards)"),
     ("--max-seconds", "max_seconds", duration, "training budget (600, 600s, 10m, 1.5h), from the first learner's arrival"),
     ("--max-tokens", "max_tokens", int, "token budget across learners (0: none)"),
