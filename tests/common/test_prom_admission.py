@@ -179,3 +179,27 @@ def test_one_ipv6_host_is_one_client_and_a_mapped_ipv4_address_is_its_ipv4_one()
 def test_http_bounds_need_a_header_timeout_and_room_to_wait(kwargs):
     with pytest.raises(ValueError, match="header timeout > 0 and max_pending >= 1"):
         HTTPBounds(**kwargs)
+
+
+def test_a_round_of_the_head_reader_that_fails_is_logged_and_the_endpoint_answers_on(caplog):
+    """The one thread that reads every request head must not end: ended, accepted
+    connections would wait in its inbox, unanswered, until descriptors ran out."""
+    endpoint, server, path = _exporter(HTTPBounds(**LONG))
+    heads = server._heads
+    real, failed = heads._read, []
+
+    def fails_once(w):
+        if not failed:
+            failed.append(w)
+            raise RuntimeError("a bug in one round")
+        return real(w)
+
+    heads._read = fails_once
+    try:
+        with caplog.at_level("ERROR", logger="ddiloco.common.prom"):
+            with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
+                _get(endpoint.port, path)  # its connection was closed with the failed round
+        assert "reading HTTP request heads failed" in caplog.text
+        assert _get(endpoint.port, path).status == 200
+    finally:
+        endpoint.close()

@@ -232,6 +232,7 @@ class RequestHeads:
         self._closed = False
         self._waiting: collections.OrderedDict[int, _Waiting] = collections.OrderedDict()  # oldest first
         self._count = 0  # len(_waiting), readable from other threads
+        self._failures = 0  # rounds that raised (logged, and the round's connections closed)
         self._thread = threading.Thread(target=self._run, name="http-heads", daemon=True)
         self._thread.start()
 
@@ -269,29 +270,42 @@ class RequestHeads:
                     for sock, _ in inbox:
                         sock.close()
                     return
-                for sock, address in inbox:
-                    self._take(sock, address)
-                now = self.clock()
-                nearest = min((self._deadline(w) for w in self._waiting.values()), default=None)
-                for key, _ in self._selector.select(None if nearest is None else max(0.0, nearest - now)):
-                    if key.fileobj is self._wake_r:
-                        try:
-                            while self._wake_r.recv(4096):
-                                pass
-                        except BlockingIOError:
-                            pass
-                    else:
-                        self._read(key.data)
-                now = self.clock()
-                for w in [w for w in self._waiting.values() if self._deadline(w) <= now]:
-                    log.debug("HTTP connection from %s closed: no whole request head in time", w.address[0])
-                    self._drop(w)
+                try:
+                    self._serve(inbox)
+                except Exception:
+                    # this thread reads every client's request: ended, the endpoint would take
+                    # connections into its inbox and answer none until descriptors ran out
+                    log.exception("reading HTTP request heads failed; the waiting connections are closed")
+                    for w in list(self._waiting.values()):
+                        self._drop(w)
+                    self._failures += 1
+                    time.sleep(min(1.0, 0.01 * self._failures))  # not a busy loop if it repeats
         finally:
             for w in list(self._waiting.values()):
                 self._drop(w)
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _serve(self, inbox: list[tuple[socket.socket, object]]) -> None:
+        """One round: take the new connections, read what arrived, close the late ones."""
+        for sock, address in inbox:
+            self._take(sock, address)
+        now = self.clock()
+        nearest = min((self._deadline(w) for w in self._waiting.values()), default=None)
+        for key, _ in self._selector.select(None if nearest is None else max(0.0, nearest - now)):
+            if key.fileobj is self._wake_r:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            else:
+                self._read(key.data)
+        now = self.clock()
+        for w in [w for w in self._waiting.values() if self._deadline(w) <= now]:
+            log.debug("HTTP connection from %s closed: no whole request head in time", w.address[0])
+            self._drop(w)
 
     def _deadline(self, w: _Waiting) -> float:
         # never past the connection's lifetime either
