@@ -107,6 +107,15 @@ def test_strings_longer_than_their_field_allows_are_refused_and_the_membership_s
     assert getattr(member, field) == "a" * limit
 
 
+@pytest.mark.parametrize("field", ["address", "datacenter"])
+@pytest.mark.parametrize("text", ["dc1\rdc0", "dc\x00", "\x1b[2Jdc", "dc\u202e0cd"])
+def test_strings_with_characters_that_would_rewrite_what_an_operator_reads_are_refused(stub, field, text):
+    """Shown on the status page, in logs, metric labels and report tables."""
+    before = snapshot(stub)
+    refused(lambda: register(stub, **{field: text}), grpc.StatusCode.INVALID_ARGUMENT, f"{field} holds a character that is not printable")
+    assert snapshot(stub) == before
+
+
 def test_the_membership_is_bounded_by_the_id_space(fresh_stub):
     """On a coordinator of its own: it fills the id space."""
     stub = fresh_stub

@@ -312,6 +312,12 @@ class Membership:
             raise InvalidArgument(f"address must be at most {MAX_ADDRESS_CHARS} characters (HOST:PORT), got {len(req.address)}")
         if len(req.datacenter) > MAX_DATACENTER_CHARS:
             raise InvalidArgument(f"datacenter must be at most {MAX_DATACENTER_CHARS} characters, got {len(req.datacenter)}")
+        # shown on the status page, in logs, metrics labels and report tables: a carriage
+        # return, NUL, an ANSI escape or a right-to-left override would rewrite what an
+        # operator reads there
+        for name, text in (("address", req.address), ("datacenter", req.datacenter)):
+            if not text.isprintable():
+                raise InvalidArgument(f"{name} holds a character that is not printable: {ascii(text)[:80]}")
         requested = req.requested_learner_id
         if not -1 <= requested < self.max_ids:
             raise InvalidArgument(
