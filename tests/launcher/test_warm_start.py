@@ -52,6 +52,16 @@ def test_a_phase_that_would_spend_the_whole_token_budget_is_refused_before_anyth
         warm_start.plan(_config(), 400, step_weight=256)  # 400 steps x 256 = 102,400 tokens
 
 
+def test_a_phase_no_learner_could_train_within_the_time_budget_is_refused_before_anything_runs():
+    """With only a time budget the phase's speed is unknown, but no learner takes more than
+    10,000 steps a second: --warm-start-steps 1e9 trained for the whole budget, then was refused."""
+    cfg = _config()
+    cfg.max_tokens, cfg.max_seconds = 0, 150.0
+    with pytest.raises(warm_start.WarmStartError, match=r"cannot be trained within the run's --max-seconds 150 "):
+        warm_start.plan(cfg, 10**9, step_weight=256)
+    assert warm_start.plan(cfg, 1_000_000, step_weight=256).steps == 1_000_000  # 6,667 steps a second: not impossible
+
+
 def test_a_warm_start_and_an_explicit_starting_model_exclude_each_other():
     with pytest.raises(warm_start.WarmStartError, match="--init-from already names one"):
         warm_start.plan(_config(init_from="/runs/a"), 10, step_weight=256)

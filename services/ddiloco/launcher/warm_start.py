@@ -64,6 +64,16 @@ def plan(config: RunConfig, steps: int, step_weight: int) -> Plan:
             f"--warm-start-steps {steps} ({windows * h} steps in windows of H = {h}, {tokens:,} tokens) leaves nothing "
             f"of the run's --max-tokens {config.max_tokens:,}"
         )
+    from ddiloco.coordinator.stats_rules import MAX_STEPS_PER_S
+
+    # the phase's speed is not known before it runs, but no learner takes more than
+    # MAX_STEPS_PER_S steps a second: more steps than that over the whole time budget were
+    # trained for the whole budget and then refused (--warm-start-steps 1e9 ran 150 s first)
+    if windows * h > config.max_seconds * MAX_STEPS_PER_S:
+        raise WarmStartError(
+            f"--warm-start-steps {steps} cannot be trained within the run's --max-seconds {config.max_seconds:g} "
+            f"(at most {MAX_STEPS_PER_S:,} steps a second)"
+        )
     return Plan(windows * h, tokens)
 
 
