@@ -30,7 +30,7 @@ def _refused(tmp_path, args: list[str], env: dict | None = None) -> str:
     (["--inner-steps", "-5"], "argument --inner-steps: 0 (the run's) or an integer from 1 to 1048576, got -5"),
     (["--inner-steps", "ten"], "argument --inner-steps: 0 (the run's) or an integer from 1 to 1048576, got 'ten'"),
     (["--advertise", "myhost"], "argument --advertise: HOST:PORT with a port from 1 to 65535, got 'myhost'"),
-    (["--threads", "0"], "argument --threads: 1 to 1024 threads, got 0"),
+    (["--threads", "0"], "argument --threads: a whole number of threads, 1 to 1024, got 0"),
 ])
 def test_a_number_the_learner_cannot_use_is_refused_before_it_starts(tmp_path, args, message):
     assert _refused(tmp_path, NOWHERE + args) == E + message

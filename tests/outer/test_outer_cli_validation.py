@@ -28,7 +28,7 @@ def test_a_coordinator_address_that_is_not_host_port_is_refused(tmp_path, addres
 @pytest.mark.parametrize("args, message", [
     (["--shard", "-1"], "argument --shard: a shard from 0 to the run's --outer-shards minus 1 (at most 1023), got -1"),
     (["--advertise", "outer"], "argument --advertise: HOST:PORT with a port from 1 to 65535, got 'outer'"),
-    (["--threads", "-2"], "argument --threads: 1 to 1024 threads, got -2"),
+    (["--threads", "-2"], "argument --threads: a whole number of threads, 1 to 1024, got -2"),
 ])
 def test_a_value_the_outer_optimizer_cannot_use_is_refused_before_it_starts(tmp_path, args, message):
     assert _refused(tmp_path, NOWHERE + ["--run-dir", "run"] + args) == E + message

@@ -66,15 +66,26 @@ def log_level(text: str) -> str:
 MAX_THREADS = 1024
 
 
-def threads(text: str) -> int:
-    """Torch threads of a process: 1 to ``MAX_THREADS`` (0 and negatives were taken as 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadValue(f"a whole number of threads, 1 to {MAX_THREADS}, got {text!r}") from None
-    if not 1 <= value <= MAX_THREADS:
-        raise BadValue(f"1 to {MAX_THREADS} threads, got {value}")
-    return value
+def whole(low: int, high: int, allowed: str, name: str = "whole"):
+    """An argparse type for a whole number from ``low`` to ``high``; a refusal says
+    ``allowed`` and what was given (a number the wire or the run cannot carry was a
+    traceback, a silent clamp or a late failure)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise BadValue(f"{allowed}, got {text!r}") from None
+        if not low <= value <= high:
+            raise BadValue(f"{allowed}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+# Torch threads of a process (0 and negatives were taken as 1)
+threads = whole(1, MAX_THREADS, f"a whole number of threads, 1 to {MAX_THREADS}", "threads")
 
 
 def bind_address(text: str) -> str:
@@ -88,15 +99,8 @@ def bind_address(text: str) -> str:
     return text
 
 
-def port(text: str) -> int:
-    """A TCP port for an HTTP endpoint: 0 (off) or 1 to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a port is 0 (off) or 1 to 65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0 (off) or 1 to 65535, got {value}")
-    return value
+# A TCP port for an HTTP endpoint
+port = whole(0, 65535, "a port is 0 (off) or 1 to 65535", "port")
 
 
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -13,7 +13,7 @@ from ddiloco.common import pacing
 from ddiloco.common.config_rules import MAX_RANKS_PER_LEARNER, RULES
 from ddiloco.common.cliargs import (
     BadValue, address, advertised_address, apply_env_defaults, bind_address, limit_threads, log_level, port, run_folder,
-    setup_logging, threads,
+    setup_logging, threads, whole,
 )
 from ddiloco.common.security import add_security_arguments, security_from_args
 
@@ -22,15 +22,8 @@ from ddiloco.common.security import add_security_arguments, security_from_args
 MAX_WIRE_ID = 2**31 - 1
 
 
-def learner_id(text: str) -> int:
-    """-1 (any free id) or an id the wire carries; the coordinator refuses one beyond its run's."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadValue(f"-1 (any free id) or an id from 0 to {MAX_WIRE_ID}, got {text!r}") from None
-    if not -1 <= value <= MAX_WIRE_ID:
-        raise BadValue(f"-1 (any free id) or an id from 0 to {MAX_WIRE_ID}, got {value}")
-    return value
+# -1 (any free id) or an id the wire carries; the coordinator refuses one beyond its run's
+learner_id = whole(-1, MAX_WIRE_ID, f"-1 (any free id) or an id from 0 to {MAX_WIRE_ID}", "learner_id")
 
 
 def _override(path: str, name: str):

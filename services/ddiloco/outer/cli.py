@@ -6,23 +6,17 @@ import argparse
 import sys
 
 from ddiloco.common.cliargs import (
-    BadValue, address, advertised_address, apply_env_defaults, bind_address, limit_threads, log_level, port, run_folder,
-    setup_logging, threads,
+    address, advertised_address, apply_env_defaults, bind_address, limit_threads, log_level, port, run_folder,
+    setup_logging, threads, whole,
 )
 from ddiloco.common.config_rules import MAX_FRAGMENTS
 from ddiloco.common.security import add_security_arguments, security_from_args
 
 
-def shard(text: str) -> int:
-    """0 up to the most shards a run may have; whether the run has this one is known once
-    the coordinator answers (``ShardError``, exit 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadValue(f"a shard from 0 to the run's --outer-shards minus 1, got {text!r}") from None
-    if not 0 <= value < MAX_FRAGMENTS:
-        raise BadValue(f"a shard from 0 to the run's --outer-shards minus 1 (at most {MAX_FRAGMENTS - 1}), got {value}")
-    return value
+# 0 up to the most shards a run may have; whether the run has this one is known once the
+# coordinator answers (``ShardError``, exit 1)
+shard = whole(0, MAX_FRAGMENTS - 1, f"a shard from 0 to the run's --outer-shards minus 1 (at most {MAX_FRAGMENTS - 1})",
+              "shard")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
