@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.common import merge
-from ddiloco.outer.records import Fragment, LearnerRecord
+from ddiloco.common import errors, merge
+from ddiloco.outer import admission
+from ddiloco.outer.records import MAX_TRACKED_VERSIONS, Fragment, LearnerRecord
 
 
 def _fragment() -> Fragment:
@@ -35,6 +36,38 @@ def test_a_fragment_forgets_versions_no_delta_could_still_be_accepted_on():
     assert sorted(frag.tokens_at_version) == [4, 5, 6, 7]
     assert sorted(frag.own_at_version) == [4, 5, 6, 7]
     assert not frag.tracks(3) and frag.tracks(4)
+
+
+def test_a_version_stays_while_what_followed_it_is_mostly_one_learners_own_work():
+    """Admission counts only *other* learners' work behind a delta's base, so a version is
+    forgotten only when every learner would find more than the bound behind it. Pruned by
+    the total, a learner's catch-up merge of its own backlog dropped the version its next
+    delta was based on, refused as "no longer tracked" with little of others' work behind."""
+    frag = _fragment()
+    frag.tokens_merged = 1000
+    frag.publish_version({7: 500, 8: 500})  # version 1
+    frag.tokens_merged = 10_000
+    frag.publish_version({7: 9_500, 8: 500})  # version 2: learner 7's backlog, 9 rounds of it
+    frag.prune_versions(max_staleness_rounds=2, round_tokens=1000)
+    assert frag.tracks(1)  # learner 7's next delta on it has no others' work behind it
+    assert admission.check_staleness(frag, 1, 7, 9_500, round_tokens=1000, max_rounds=2) == 1.0
+    with pytest.raises(errors.FailedPrecondition, match="9.00 rounds of other learners' work"):
+        admission.check_staleness(frag, 1, 8, 500, round_tokens=1000, max_rounds=2)  # learner 8's: refused by the rule
+    frag.tokens_merged = 14_000
+    frag.publish_version({7: 9_500, 8: 4_500})  # now learner 7 has 4 rounds of 8's work behind version 1
+    frag.prune_versions(max_staleness_rounds=2, round_tokens=1000)
+    assert not frag.tracks(1) and frag.tracks(2)
+
+
+def test_no_more_than_the_newest_thousand_versions_are_tracked():
+    """A learner alone never has others' work behind it: the cap bounds the record."""
+    frag = _fragment()
+    for step in range(1, MAX_TRACKED_VERSIONS + 11):
+        frag.tokens_merged = step * 1000
+        frag.publish_version({7: step * 1000})
+        frag.prune_versions(max_staleness_rounds=2, round_tokens=1000)
+    assert len(frag.tokens_at_version) == MAX_TRACKED_VERSIONS and frag.tracks(frag.version)
+    assert min(frag.tokens_at_version) == frag.version - MAX_TRACKED_VERSIONS + 1
 
 
 def test_a_fragment_round_trips_through_its_checkpoint_form():

@@ -20,9 +20,13 @@ from ddiloco.outer.state import OuterState
 def test_a_requeued_delta_on_a_pruned_base_merges_at_the_bound_and_leaves_the_base_untracked(tmp_path):
     cfg = tiny_config()
     state = OuterState(cfg, tmp_path)
-    merges = 12  # one window each: more than (max_staleness_rounds + 1) rounds of two learners
-    for seq in range(1, merges + 1):
-        push(state, 0, seq, seed=seq)
+    # one window each, learners 0 and 2 in turn: each finds more than (max_staleness_rounds
+    # + 1) rounds of the other's work behind version 0 (a version stays on the clock while
+    # what followed it is mostly one learner's own work, which that learner's delta does
+    # not count)
+    merges = 24
+    for k in range(merges):
+        push(state, 2 * (k % 2), k // 2 + 1, seed=k + 1)
         assert state.merge(0, force=True)
     assert not state.fragment(0).tracks(0), "version 0 is off the staleness clock"
     # learner 1's delta on version 0, acknowledged (journaled) while those merges went on
@@ -34,7 +38,7 @@ def test_a_requeued_delta_on_a_pruned_base_merges_at_the_bound_and_leaves_the_ba
     frag = restarted.fragment(0)
     assert [(p.learner_id, p.seq, p.base_version) for p in frag.pending] == [(1, 1, 0)]
     assert not frag.tracks(0)
-    late, late_payload = make_delta(state_specs(restarted), cfg.run_id, 0, merges + 1, 0, seed=7)
+    late, late_payload = make_delta(state_specs(restarted), cfg.run_id, 0, merges // 2 + 1, 0, seed=7)
     with pytest.raises(FailedPrecondition, match="stale"):
         restarted.accept(late, late_payload)
 

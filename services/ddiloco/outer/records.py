@@ -16,6 +16,11 @@ import torch
 from ddiloco.common import merge
 
 
+# The most versions of a fragment kept on the staleness clock (``Fragment.prune_versions``):
+# within the staleness bound a run keeps a few dozen (M learners' merges over a few rounds);
+# this bounds the record in every checkpoint when one learner's own work is all there is.
+MAX_TRACKED_VERSIONS = 1024
+
 @dataclass
 class LearnerRecord:
     """Per learner; counters per fragment where work is counted per fragment."""
@@ -175,11 +180,29 @@ class Fragment:
         self.own_at_version[self.version] = own_tokens
 
     def prune_versions(self, max_staleness_rounds: float, round_tokens: int) -> None:
-        # keep versions while a delta based on them could still be accepted
+        """Forget the versions no delta can be accepted on any more: those every learner would
+        find more than ``max_staleness_rounds`` rounds (and one of margin) of *other*
+        learners' work behind, the rule admission applies (``rounds_behind``); so a version
+        stays while the work merged since it is mostly one learner's own. Pruned by the
+        total, as it was, a learner's catch-up merge of its backlog after an outer restart
+        (9 rounds of its own work) dropped the version its next delta was based on, which was
+        then refused as "no longer tracked" with 0.33 rounds of others' work behind it (a
+        chaos soak: 20 such refusals in 7 of 22 runs). Beyond the newest
+        ``MAX_TRACKED_VERSIONS`` a version goes in any case: the record is in every
+        checkpoint, and a learner alone never has others' work behind it."""
         bound = (max_staleness_rounds + 1) * round_tokens
-        for v in [v for v, t in self.tokens_at_version.items() if self.tokens_merged - t > bound and v != self.version]:
-            del self.tokens_at_version[v]
-            self.own_at_version.pop(v, None)
+        own_now = self.own_at_version.get(self.version, {})
+        versions = sorted(self.tokens_at_version)
+        oldest_kept = versions[max(0, len(versions) - MAX_TRACKED_VERSIONS)]
+        for v in versions:
+            if v == self.version:
+                continue
+            own_then = self.own_at_version.get(v, {})
+            # the most one learner merged since v: what that learner's own delta does not count
+            most_own = max((own_now.get(k, 0) - own_then.get(k, 0) for k in own_now), default=0)
+            if v < oldest_kept or self.tokens_merged - self.tokens_at_version[v] - max(0, most_own) > bound:
+                del self.tokens_at_version[v]
+                self.own_at_version.pop(v, None)
 
     # ---------------------------------------------------------- checkpoint form
     def to_json(self, names: list[str]) -> dict:
