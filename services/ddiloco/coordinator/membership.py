@@ -136,9 +136,8 @@ MAX_TOKEN_CHARS = 128
 MAX_ADDRESS_CHARS = 255  # HOST:PORT; a DNS name is at most 253 characters
 MAX_DATACENTER_CHARS = 64
 INT32_MAX = (1 << 31) - 1  # incarnations and learner ids are int32 on the wire
+RUN_INSTANCE = re.compile(r"[0-9a-f]{1,64}")  # Membership.run_instance, as state.json holds it
 
-
-RUN_INSTANCE = re.compile(r"[0-9a-f]{1,64}")
 
 class StateFileError(ValueError):
     """The saved state cannot be trusted (the module docstring): the coordinator does not start."""
@@ -479,8 +478,8 @@ class Membership:
                     events.append(("learner_dead", {"learner": i, "silent_s": round(self.clock() - rec.last_heartbeat, 2)}))
             if self.state == coordinator_pb2.RUN_STATE_RUNNING:
                 over_time = self.elapsed() >= self.config.max_seconds
-                over_tokens = (self.config.max_tokens > 0 and self.tokens() >= self.config.max_tokens
-                               and confirmed is not None and confirmed >= self.config.max_tokens)
+                over_tokens = (confirmed is not None and self.claims_spend_token_budget()
+                               and confirmed >= self.config.max_tokens)
                 if over_time or over_tokens:
                     self.state = coordinator_pb2.RUN_STATE_DRAINING
                     self.drain_started = self.clock()
